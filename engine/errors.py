@@ -1,0 +1,91 @@
+"""The engine's errors, rooted in the data plane's tree (``evenflow.transports.errors``).
+
+::
+
+    EvenflowError
+    ├── ConfigError (ValueError)        invalid configuration or argument
+    ├── PlanningError                   an algorithm returned an invalid layout, a cost was bad
+    ├── LoaderStateError (RuntimeError) the loader was used in the wrong lifecycle state
+    ├── RemoteStageError                another rank of the group failed; names rank, stage, step
+    ├── GroupMismatchError              ranks disagree (plan digest, config fingerprint, step)
+    ├── ResumeError (ValueError)        a checkpoint does not match this loader
+    ├── SourceExhaustedError            a rank's source ended early and ``on_uneven_end="raise"``
+    └── TransportError ...              (see evenflow.transports.errors)
+"""
+
+from __future__ import annotations
+
+from evenflow.transports.errors import (
+    CollectiveMismatchError,
+    EncodeError,
+    EvenflowError,
+    PeerFailureError,
+    RouteError,
+    TransportClosedError,
+    TransportError,
+    TransportTimeoutError,
+    WireFormatError,
+)
+
+__all__ = [
+    "CollectiveMismatchError",
+    "ConfigError",
+    "EncodeError",
+    "EvenflowError",
+    "GroupMismatchError",
+    "LoaderStateError",
+    "PeerFailureError",
+    "PlanningError",
+    "RemoteStageError",
+    "ResumeError",
+    "RouteError",
+    "SourceExhaustedError",
+    "TransportClosedError",
+    "TransportError",
+    "TransportTimeoutError",
+    "WireFormatError",
+]
+
+
+class ConfigError(EvenflowError, ValueError):
+    """A configuration value or argument is invalid. The message names it and the fix."""
+
+
+class PlanningError(EvenflowError):
+    """Planning failed: a cost model returned a bad value or an algorithm an invalid layout."""
+
+
+class LoaderStateError(EvenflowError, RuntimeError):
+    """The loader was used in a lifecycle state that does not allow the operation."""
+
+
+class RemoteStageError(EvenflowError):
+    """A stage failed on another rank of the balance group, so this rank stops too.
+
+    Every surviving rank raises this at the same step; the failing rank re-raises its own
+    exception object.
+    """
+
+    def __init__(
+        self, *, failed_rank: int, stage: str, step: int, error_type: str, message: str
+    ) -> None:
+        super().__init__(
+            f"Rank {failed_rank} failed in stage {stage!r} at step {step}: {error_type}: {message}"
+        )
+        self.failed_rank = failed_rank
+        self.stage = stage
+        self.step = step
+        self.error_type = error_type
+        self.remote_message = message
+
+
+class GroupMismatchError(EvenflowError):
+    """Ranks of one group disagree on something that must be identical everywhere."""
+
+
+class ResumeError(EvenflowError, ValueError):
+    """A saved loader state cannot be restored into this loader; the message says what differs."""
+
+
+class SourceExhaustedError(EvenflowError):
+    """A rank's source ended before the others' (raised when ``on_uneven_end='raise'``)."""

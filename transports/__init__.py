@@ -1,0 +1,34 @@
+"""evenflow.transports — moving bytes between the ranks of a balance group."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from evenflow.transports import errors
+from evenflow.transports._base import InlineLauncher, Launcher, Transport
+
+_LAZY: dict[str, str] = {
+    "encode": "evenflow.transports._wire",
+    "encode_many": "evenflow.transports._wire",
+    "decode": "evenflow.transports._wire",
+    "DEFAULT_MAX_FRAME_BYTES": "evenflow.transports._wire",
+    "LocalTransport": "evenflow.transports._local",
+    "InProcessGroup": "evenflow.transports._inprocess",
+    "InProcessTransport": "evenflow.transports._inprocess",
+    "GlooTransport": "evenflow.transports._gloo",
+    "DeviceTransport": "evenflow.transports._device",
+    "create_transport": "evenflow.transports._registry",
+    "register_transport": "evenflow.transports._registry",
+}
+
+__all__ = sorted(["InlineLauncher", "Launcher", "Transport", "errors", *_LAZY])
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'evenflow.transports' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,206 @@
+"""The transport extension point: one balance group's collectives, awaitable.
+
+Read the :class:`Transport` docstring before writing a transport; it is the contract that the
+conformance suite (:func:`evenflow.transports.testing.check_transport`) checks.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from evenflow.transports.errors import RouteError, TransportClosedError
+
+__all__ = ["InlineLauncher", "Launcher", "Transport"]
+
+T = TypeVar("T")
+
+Outgoing = Mapping[int, Sequence[tuple[Hashable, Any]]]
+
+
+class Launcher(Protocol):
+    """Runs the *launch* half of a collective on the thread that is allowed to launch.
+
+    Transports whose ``launch_on_caller`` is True (NCCL/HCCL style) must start every
+    collective through ``await self.launcher.launch(fn, op=..., final=...)``: ``fn`` is a short,
+    non-blocking callable that enqueues device work and returns a handle. The engine replaces
+    the default inline launcher with one that runs ``fn`` on the training loop's thread, only
+    at launch points (``next()``, ``prefetch_plan()``, ``prefetch()``), in canonical order.
+    ``final=True`` marks the last launch of one operation, so a launch point knows when an
+    operation is fully in flight.
+    """
+
+    async def launch(self, fn: Callable[[], T], *, op: str, final: bool) -> T: ...
+
+
+class InlineLauncher:
+    """Runs launches immediately on the current thread (the default outside the engine)."""
+
+    async def launch(self, fn: Callable[[], T], *, op: str, final: bool) -> T:
+        return fn()
+
+
+class Transport(abc.ABC):
+    """Collectives within one balance group of ``num_ranks`` members.
+
+    **Who calls it.** The engine, from one asyncio event loop per process. It issues one
+    group's operations in a canonical order that is identical on every member: operation *k*
+    on rank 0 pairs with operation *k* on every other rank. A transport may rely on that order
+    and must not reorder; it must run one group's blocking collectives on exactly one thread
+    (two threads driving one Gloo group corrupt data). Operations are awaited one at a time
+    per group, but several groups may be active at once.
+
+    **What to implement.**
+
+    * ``all_gather(obj)`` → list of every member's ``obj``, indexed by group rank.
+    * ``broadcast(obj, src=r)`` → member ``r``'s ``obj`` on every member (others pass any value,
+      typically ``None``; it is ignored).
+    * ``exchange(outgoing)`` → ``{key: payload}`` of everything addressed to this rank, where
+      ``outgoing`` maps a target group rank to a list of ``(key, payload)``; a rank may send
+      to itself, lists may be empty or missing, sizes may be uneven. Keys are plain encodable
+      values (int tuples in the engine), unique per receiver.
+    * ``objects`` are anything :mod:`evenflow.transports` wire format encodes (dicts with
+      string keys, lists, tuples, scalars, bytes, numpy arrays, torch CPU tensors); no pickle
+      may ever touch peer bytes.
+
+    **What to raise.** ``RouteError`` (before any data moves) for a target outside
+    ``range(num_ranks)``; ``TransportTimeoutError`` when peers do not answer within
+    ``timeout`` seconds; ``PeerFailureError`` when a peer dies; ``TransportClosedError`` after
+    ``aclose()``; ``EncodeError`` for values the wire format cannot carry. Foreign exceptions
+    are chained (``raise ... from exc``) and messages name the rank and the operation. After
+    a timeout or peer failure the group is dead: later operations raise promptly.
+
+    **Cancellation.** Cancelling an awaiting operation abandons its result; a collective that
+    already started on the wire may complete in the background, so a group whose operation
+    was cancelled must be treated as unusable and closed.
+
+    **Lifecycle.** ``aclose()`` is idempotent, releases threads and buffers it owns (never the
+    caller's process groups) and makes later operations raise ``TransportClosedError``.
+    ``async with transport:`` closes on exit.
+
+    **Launch thread.** ``launch_on_caller`` declares that collectives must be launched on the
+    training loop's thread at caller-synchronized points (NCCL/HCCL); such transports start
+    every collective through :attr:`launcher` (see :class:`Launcher`).
+    """
+
+    #: Registry name of the implementation (``"gloo"``, ``"inprocess"``, ...).
+    name: ClassVar[str] = "custom"
+    #: Whether collectives must be launched on the caller's thread (see class docstring).
+    launch_on_caller: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        num_ranks: int,
+        global_ranks: Sequence[int] | None = None,
+        timeout: float = 60.0,
+    ) -> None:
+        if num_ranks < 1 or not 0 <= rank < num_ranks:
+            raise ValueError(f"rank must be in [0, num_ranks={num_ranks}), but got rank={rank!r}.")
+        ranks = tuple(range(num_ranks)) if global_ranks is None else tuple(global_ranks)
+        if len(ranks) != num_ranks:
+            raise ValueError(
+                f"global_ranks must list num_ranks={num_ranks} ranks, but got {ranks!r}."
+            )
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        self._rank = rank
+        self._num_ranks = num_ranks
+        self._global_ranks = ranks
+        self._timeout = float(timeout)
+        self._closed = False
+        self.launcher: Launcher = InlineLauncher()
+
+    @property
+    def rank(self) -> int:
+        """This member's rank inside the group (0-based)."""
+        return self._rank
+
+    @property
+    def num_ranks(self) -> int:
+        """Number of members of the group."""
+        return self._num_ranks
+
+    @property
+    def global_ranks(self) -> tuple[int, ...]:
+        """Global (world) rank of each member, indexed by group rank."""
+        return self._global_ranks
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a collective may wait for peers before raising ``TransportTimeoutError``."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @abc.abstractmethod
+    async def all_gather(self, obj: Any) -> list[Any]:
+        """Every member's ``obj``, ordered by group rank."""
+
+    @abc.abstractmethod
+    async def broadcast(self, obj: Any, *, src: int) -> Any:
+        """Member ``src``'s ``obj`` on every member."""
+
+    @abc.abstractmethod
+    async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
+        """Send each ``(key, payload)`` to its target rank; return what this rank received."""
+
+    async def aclose(self) -> None:
+        """Release what the transport owns. Idempotent."""
+        self._closed = True
+
+    async def __aenter__(self) -> Transport:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # -- helpers for implementations -------------------------------------------------------
+
+    def _check_open(self, op: str) -> None:
+        if self._closed:
+            raise TransportClosedError(
+                f"Rank {self._rank}: cannot run {op} on a closed {self.name} transport.",
+                rank=self._rank,
+                op=op,
+            )
+
+    def _check_src(self, src: int) -> None:
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self._num_ranks:
+            raise RouteError(
+                f"Rank {self._rank}: broadcast src must be a group rank in "
+                f"[0, {self._num_ranks}), but got {src!r}.",
+                rank=self._rank,
+                op="broadcast",
+            )
+
+    def _check_routes(self, outgoing: Outgoing) -> None:
+        bad = sorted(
+            repr(t)
+            for t in outgoing
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._num_ranks
+        )
+        if bad:
+            raise RouteError(
+                f"Rank {self._rank}: exchange routes payloads to targets outside the group "
+                f"[0, {self._num_ranks}): {', '.join(bad)}. No data was moved.",
+                rank=self._rank,
+                op="exchange",
+            )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return (
+            f"<{type(self).__name__} rank={self._rank}/{self._num_ranks} "
+            f"global_ranks={self._global_ranks} {state}>"
+        )
