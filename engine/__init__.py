@@ -31,19 +31,31 @@ _LAZY: dict[str, str] = {
     "build_loader": "evenflow.engine._topology",
 }
 
-__all__ = sorted(
-    [
-        "BalanceDecision",
-        "BinPlan",
-        "OversizedPolicy",
-        "PackingConstraints",
-        "Plan",
-        "SampleKey",
-        "SampleMetadata",
-        "errors",
-        *_LAZY,
-    ]
-)
+__all__ = [
+    "BalanceDecision",
+    "BalancedLoader",
+    "BalancingAlgorithm",
+    "BinPlan",
+    "ComponentCost",
+    "CostModel",
+    "FlopsCost",
+    "LPTAlgorithm",
+    "LoaderConfig",
+    "OversizedPolicy",
+    "PackingConstraints",
+    "Plan",
+    "Planner",
+    "QuadraticCost",
+    "RefineAlgorithm",
+    "SampleKey",
+    "SampleMetadata",
+    "TokenCost",
+    "Tracer",
+    "build_loader",
+    "default_collate_fn",
+    "default_pack_fn",
+    "errors",
+]
 
 
 def __getattr__(name: str) -> Any:

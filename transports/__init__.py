@@ -22,7 +22,23 @@ _LAZY: dict[str, str] = {
     "register_transport": "evenflow.transports._registry",
 }
 
-__all__ = sorted(["InlineLauncher", "Launcher", "Transport", "errors", *_LAZY])
+__all__ = [
+    "DEFAULT_MAX_FRAME_BYTES",
+    "DeviceTransport",
+    "GlooTransport",
+    "InProcessGroup",
+    "InProcessTransport",
+    "InlineLauncher",
+    "Launcher",
+    "LocalTransport",
+    "Transport",
+    "create_transport",
+    "decode",
+    "encode",
+    "encode_many",
+    "errors",
+    "register_transport",
+]
 
 
 def __getattr__(name: str) -> Any:
