@@ -1,0 +1,253 @@
+"""``evenflow bench exchange``: payload exchange throughput on Gloo over loopback.
+
+On the same ranks, in one run, with the same locally generated payloads (packed-sequence
+samples: 512-32k int32 tokens, as many int32 labels and a small dict each), it times:
+
+* **evenflow**: ``GlooTransport.exchange`` end to end (encode, size exchange, one uint8
+  ``all_to_all_single``, decode, thread hop);
+* **raw**: a bare ``all_to_all_single`` moving the same number of payload bytes from
+  preallocated tensors, the floor for any design on Gloo;
+* **pickled**: ``all_gather_object`` of each rank's whole outgoing dict, every rank keeping
+  its share: the naive approach.
+
+Each repeat starts after a barrier; a repeat's time is the slowest rank's. Reported figures
+are medians over repeats of payload bytes sent per rank per second. Targets: evenflow at
+least 70% of raw at >= 16 MiB per rank, and at least 4x the pickled baseline at 4 ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from evenflow.transports.launch import run_ranks
+
+_MIB = 1 << 20
+_RAW_TARGET = 0.70
+_RAW_TARGET_MIB = 16
+_PICKLE_TARGET = 4.0
+_PICKLE_TARGET_RANKS = 4
+
+
+def _payload(
+    rank: int, num_ranks: int, total_bytes: int, seed: int
+) -> tuple[dict[int, list[tuple[Hashable, Any]]], list[int]]:
+    """Samples worth ``total_bytes`` of arrays, dealt round-robin to every rank (self too)."""
+    rng = np.random.default_rng(seed * 1009 + rank)
+    outgoing: dict[int, list[tuple[Hashable, Any]]] = {t: [] for t in range(num_ranks)}
+    per_target = [0] * num_ranks
+    made, index = 0, 0
+    while made < total_bytes:
+        length = int(rng.integers(512, 32 * 1024 + 1))
+        length = max(1, min(length, (total_bytes - made) // 8))
+        tokens = rng.integers(0, 128_000, size=length, dtype=np.int32)
+        sample = {
+            "tokens": tokens,
+            "labels": np.roll(tokens, -1),
+            "meta": {"source": "web", "doc": index, "length": length, "weight": 1.0},
+        }
+        target = index % num_ranks
+        outgoing[target].append(((rank, index), sample))
+        per_target[target] += 8 * length
+        made += 8 * length
+        index += 1
+    return outgoing, per_target
+
+
+def _rank_main(
+    rank: int, num_ranks: int, sizes_mib: list[int], repeats: int, seed: int
+) -> dict[str, Any]:
+    """Runs on every rank: times the three methods for every size, interleaved."""
+    import torch
+    import torch.distributed as dist
+
+    from evenflow.transports._gloo import GlooTransport
+
+    torch.set_num_threads(1)
+    world = dist.group.WORLD
+    timings: dict[str, Any] = {}
+
+    async def measure() -> None:
+        transport = GlooTransport(timeout=120.0)
+        try:
+            for mib in sizes_mib:
+                outgoing, per_target = _payload(rank, num_ranks, mib * _MIB, seed + mib)
+                sizes = torch.tensor(per_target, dtype=torch.int64)
+                incoming = torch.empty(num_ranks, dtype=torch.int64)
+                dist.all_to_all_single(incoming, sizes, group=world)
+                send = torch.ones(sum(per_target), dtype=torch.uint8)
+                recv = torch.empty(int(incoming.sum()), dtype=torch.uint8)
+                rows: dict[str, list[float]] = {"evenflow": [], "raw": [], "pickled": []}
+                for repeat in range(repeats + 1):  # repeat 0 warms up and is dropped
+                    dist.barrier(group=world)
+                    start = time.perf_counter()
+                    received = await transport.exchange(outgoing)
+                    evenflow = time.perf_counter() - start
+                    del received
+
+                    dist.barrier(group=world)
+                    start = time.perf_counter()
+                    dist.all_to_all_single(recv, send, incoming.tolist(), per_target, group=world)
+                    raw = time.perf_counter() - start
+
+                    # Benchmark-only baseline: it pickles data this benchmark generated itself
+                    # on its own ranks. evenflow never unpickles anything a peer sent.
+                    dist.barrier(group=world)
+                    start = time.perf_counter()
+                    gathered: list[Any] = [None] * num_ranks
+                    dist.all_gather_object(gathered, outgoing, group=world)
+                    mine = [item for sent in gathered for item in sent[rank]]
+                    pickled = time.perf_counter() - start
+                    del gathered, mine
+
+                    if repeat:
+                        rows["evenflow"].append(evenflow)
+                        rows["raw"].append(raw)
+                        rows["pickled"].append(pickled)
+                timings[str(mib)] = {"bytes": sum(per_target), "seconds": rows}
+        finally:
+            await transport.aclose()
+
+    asyncio.run(measure())
+    return timings
+
+
+def _summarize(
+    num_ranks: int, sizes_mib: Sequence[int], per_rank: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    rows = []
+    for mib in sizes_mib:
+        entries = [r[str(mib)] for r in per_rank]
+        sent = statistics.mean(e["bytes"] for e in entries)
+        row: dict[str, Any] = {"num_ranks": num_ranks, "mib_per_rank": mib, "bytes_per_rank": sent}
+        for method in ("evenflow", "raw", "pickled"):
+            # A collective ends when its slowest rank does.
+            series = [e["seconds"][method] for e in entries]
+            slowest = [max(times) for times in zip(*series, strict=True)]
+            row[f"{method}_bytes_per_s"] = sent / statistics.median(slowest)
+        row["vs_raw"] = row["evenflow_bytes_per_s"] / row["raw_bytes_per_s"]
+        row["vs_pickled"] = row["evenflow_bytes_per_s"] / row["pickled_bytes_per_s"]
+        rows.append(row)
+    return rows
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    targets = []
+    for row in rows:
+        case = f"{row['num_ranks']} ranks, {row['mib_per_rank']} MiB/rank"
+        if row["mib_per_rank"] >= _RAW_TARGET_MIB:
+            ok = row["vs_raw"] >= _RAW_TARGET
+            targets.append(
+                {
+                    "target": f"evenflow >= {_RAW_TARGET:.0%} of raw all_to_all_single",
+                    "case": case,
+                    "value": row["vs_raw"],
+                    "threshold": _RAW_TARGET,
+                    "status": "PASS" if ok else "MISS",
+                }
+            )
+        if row["num_ranks"] == _PICKLE_TARGET_RANKS:
+            ok = row["vs_pickled"] >= _PICKLE_TARGET
+            targets.append(
+                {
+                    "target": f"evenflow >= {_PICKLE_TARGET:g}x pickled all_gather_object",
+                    "case": case,
+                    "value": row["vs_pickled"],
+                    "threshold": _PICKLE_TARGET,
+                    "status": "PASS" if ok else "MISS",
+                }
+            )
+    return targets
+
+
+def _print_table(rows: list[dict[str, Any]], targets: list[dict[str, Any]], repeats: int) -> None:
+    print(
+        f"Payload exchange on Gloo over loopback: median of {repeats} repeats, payload bytes "
+        f"sent per rank per second (GB/s = 1e9 B/s)."
+    )
+    print(
+        f"{'ranks':>5} {'MiB/rank':>8} {'evenflow':>9} {'raw':>9} {'pickled':>9} "
+        f"{'vs raw':>7} {'vs pickled':>10}"
+    )
+    for row in rows:
+        print(
+            f"{row['num_ranks']:>5} {row['mib_per_rank']:>8} "
+            f"{row['evenflow_bytes_per_s'] / 1e9:>9.2f} {row['raw_bytes_per_s'] / 1e9:>9.2f} "
+            f"{row['pickled_bytes_per_s'] / 1e9:>9.2f} {row['vs_raw']:>6.0%} "
+            f"{row['vs_pickled']:>9.1f}x"
+        )
+    print("Targets:")
+    if not targets:
+        print(
+            f"  none measured: run without --quick (they need >= {_RAW_TARGET_MIB} MiB per rank "
+            f"or {_PICKLE_TARGET_RANKS} ranks)."
+        )
+    for t in targets:
+        print(
+            f"  {t['status']}  {t['target']} ({t['case']}): {t['value']:.2f} "
+            f"(threshold {t['threshold']:g})"
+        )
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"expected a comma-separated list of positive integers, got {text!r}."
+        )
+    return values
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange") -> int:
+    """Run the benchmark; print a table (or JSON with ``--json``). Returns 0."""
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 2 repeats")
+    parser.add_argument("--ranks", type=_positive_ints, default=None, help="e.g. 2,4")
+    parser.add_argument("--sizes-mib", type=_positive_ints, default=None, help="e.g. 1,4,16,64")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    ranks = args.ranks or ([2] if args.quick else [2, 4])
+    sizes = args.sizes_mib or ([1] if args.quick else [1, 4, 16, 64])
+    repeats = args.repeats or (2 if args.quick else 5)
+    if repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {repeats}.")
+
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for num_ranks in ranks:
+        per_rank = run_ranks(
+            _rank_main,
+            num_ranks,
+            args=(sizes, repeats, args.seed),
+            deadline=900.0,
+            timeout=300.0,
+        )
+        rows.extend(_summarize(num_ranks, sizes, per_rank))
+    targets = _targets(rows)
+    if args.json:
+        document = {
+            "benchmark": "exchange",
+            "repeats": repeats,
+            "ranks": ranks,
+            "sizes_mib": sizes,
+            "seconds": time.perf_counter() - started,
+            "results": rows,
+            "targets": targets,
+        }
+        print(json.dumps(document, indent=2))
+    else:
+        _print_table(rows, targets, repeats)
+    return 0

@@ -1,0 +1,476 @@
+"""``GlooTransport``: a balance group's collectives on torch.distributed Gloo, off the loop.
+
+**The byte protocol** (shared with :mod:`evenflow.transports._device`). Every operation moves
+wire frames (:mod:`evenflow.transports._wire`) as one uint8 tensor in two steps:
+
+1. *sizes*: a fixed-size int64 collective tells every receiver how many bytes each sender
+   will send it (``all_to_all_single`` of one int64 per peer; ``broadcast`` of one int64);
+2. *data*: after every receiver has validated those sizes, ONE uint8 collective moves the
+   bytes (``all_to_all_single`` with uneven splits; ``broadcast`` for a broadcast).
+
+Sizes are validated before any data collective because Gloo kills the receiving process
+from a C++ thread when the bytes that arrive do not match the buffer. Gloo also rejects
+``all_gather`` with uneven sizes, so ``all_gather`` sends its frame to every peer through
+``all_to_all_single``.
+
+**Failing together.** A rank that cannot build its frames (``EncodeError``, a frame over
+``max_frame_bytes``, malformed ``outgoing``) still takes part in the sizes step, announcing
+``-1``; then every rank skips the data step and raises: the failing rank its own error, the
+others a ``TransportError`` naming it. The group stays in step and usable. ``RouteError``
+and a bad broadcast ``src`` are raised before any collective; the contract requires every
+rank to make the same mistake. Ranks must agree on ``max_frame_bytes``: a receiver that
+rejects sizes its sender accepted leaves the sender waiting until the group timeout.
+
+**Threads.** Each transport owns exactly one single-worker executor (thread name
+``evenflow-gloo-...``) and runs every collective of its group there: two threads driving one
+Gloo group corrupt data. Frames are decoded on the same thread right after the collective.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+import torch
+import torch.distributed as dist
+
+from evenflow.transports._base import Outgoing, Transport
+from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, decode_many, encode, encode_many
+from evenflow.transports.errors import (
+    PeerFailureError,
+    TransportError,
+    TransportTimeoutError,
+    WireFormatError,
+)
+
+__all__ = ["GlooTransport"]
+
+T = TypeVar("T")
+
+#: Size announced by a rank that failed to build its frames (see "Failing together").
+_FAILED = -1
+
+_PEER_WORDS = ("connection", "closed", "reset", "peer", "broken pipe", "socket")
+
+
+# -- group set-up -------------------------------------------------------------------------------
+
+
+def _check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, but got {timeout!r}.")
+    return float(timeout)
+
+
+def _check_max_frame_bytes(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 64:
+        raise ValueError(
+            f"max_frame_bytes must be an integer >= 64 (bytes), but got {value!r}; the "
+            f"default is {DEFAULT_MAX_FRAME_BYTES}."
+        )
+    return value
+
+
+def _open_group(
+    process_group: dist.ProcessGroup | None,
+    ranks: Sequence[int] | None,
+    timeout: float,
+    backend: str,
+    owner: str,
+) -> tuple[dist.ProcessGroup, bool]:
+    """Return ``(group, created)``: the given group, or a new one over ``ranks``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise TransportError(
+            f"{owner} needs torch.distributed: call torch.distributed.init_process_group() "
+            f"on every rank before creating it."
+        )
+    if process_group is not None:
+        if ranks is not None:
+            raise ValueError(
+                f"{owner}: pass either process_group or ranks, not both (got ranks={ranks!r})."
+            )
+        if not isinstance(process_group, dist.ProcessGroup):
+            raise TypeError(
+                f"{owner}: process_group must be a torch.distributed ProcessGroup or None, but "
+                f"got {process_group!r}."
+            )
+        return process_group, False
+    world = dist.get_world_size()
+    if ranks is None:
+        members = list(range(world))
+    else:
+        members = list(ranks)
+        if (
+            not members
+            or any(isinstance(r, bool) or not isinstance(r, int) for r in members)
+            or len(set(members)) != len(members)
+            or not all(0 <= r < world for r in members)
+        ):
+            raise ValueError(
+                f"{owner}: ranks must be distinct global ranks in [0, {world}), but got {ranks!r}."
+            )
+    # Default new_group semantics: EVERY rank of the world must call this, for every group,
+    # in the same order, members or not (members alone would hang).
+    group = dist.new_group(members, timeout=timedelta(seconds=timeout), backend=backend)
+    if not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"{owner}: this process (global rank {dist.get_rank()}) is not in ranks="
+            f"{sorted(members)!r}; create transports only on members (every rank must still "
+            f"call the constructor in the same order, which it just did)."
+        )
+    return group, True
+
+
+def _destroy_group(group: dist.ProcessGroup) -> None:
+    # Destroying a Gloo subgroup is local; after the default group is gone it is already gone.
+    if dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
+# -- the protocol's pure parts ------------------------------------------------------------------
+
+
+class _Protocol:
+    """Frame building, size checks and error translation for one member of one group."""
+
+    def __init__(
+        self, *, rank: int, num_ranks: int, global_ranks: tuple[int, ...], name: str, limit: int
+    ) -> None:
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.global_ranks = global_ranks
+        self.name = name
+        self.limit = limit
+
+    @property
+    def where(self) -> str:
+        return f"Rank {self.rank} ({self.name} group, global ranks {list(self.global_ranks)})"
+
+    def frame_limit_error(self, op: str, size: int, target: str) -> TransportError:
+        return TransportError(
+            f"{self.where}: {op} would send a frame of {size} bytes to {target}, more than "
+            f"max_frame_bytes={self.limit}. Send smaller payloads or raise max_frame_bytes on "
+            f"every rank. No data was moved.",
+            rank=self.rank,
+            op=op,
+        )
+
+    def encode_exchange(
+        self, op: str, outgoing: list[list[tuple[Hashable, Any]]]
+    ) -> tuple[npt.NDArray[np.uint8], list[int]]:
+        """One frame per target with items (empty targets get 0 bytes), in target order."""
+        present = [t for t, items in enumerate(outgoing) if items]
+        buffer, frame_sizes = encode_many([outgoing[t] for t in present])
+        sizes = [0] * self.num_ranks
+        for target, size in zip(present, frame_sizes, strict=True):
+            if size > self.limit:
+                raise self.frame_limit_error(op, size, f"rank {target}")
+            sizes[target] = size
+        return buffer, sizes
+
+    def encode_one(self, op: str, obj: Any) -> npt.NDArray[np.uint8]:
+        frame = encode(obj)
+        if frame.size > self.limit:
+            raise self.frame_limit_error(op, frame.size, "its peers")
+        return frame
+
+    def check_incoming(self, op: str, sizes: Sequence[int]) -> None:
+        """Validate announced sizes before any data moves; raise what the group agrees on."""
+        failed = [src for src, size in enumerate(sizes) if size == _FAILED]
+        if failed:
+            raise TransportError(
+                f"{self.where}: {op} was abandoned because rank(s) "
+                f"{', '.join(map(str, failed))} could not build their frames (their own error "
+                f"says why). No data was moved; the group is still usable.",
+                rank=self.rank,
+                op=op,
+            )
+        bad = [(src, size) for src, size in enumerate(sizes) if not 0 <= size <= self.limit]
+        if bad:
+            raise WireFormatError(
+                f"{self.where}: {op} refused announced frame sizes {bad!r} (sender, bytes): "
+                f"each must be in [0, max_frame_bytes={self.limit}]. Every rank must use the "
+                f"same max_frame_bytes. No data was received."
+            )
+
+    def merge_exchange(self, op: str, frames: list[Any]) -> dict[Hashable, Any]:
+        received: dict[Hashable, Any] = {}
+        origin: dict[Hashable, int] = {}
+        for src, items in enumerate(frames):
+            if items is None:
+                continue
+            if not isinstance(items, list):
+                raise WireFormatError(
+                    f"{self.where}: rank {src} sent an exchange frame holding "
+                    f"{type(items).__name__}, not a list of (key, payload) pairs."
+                )
+            for item in items:
+                if not isinstance(item, tuple) or len(item) != 2:
+                    raise WireFormatError(
+                        f"{self.where}: rank {src} sent {item!r:.80} where a (key, payload) "
+                        f"pair belongs."
+                    )
+                key, payload = item
+                if key in origin:
+                    raise TransportError(
+                        f"{self.where}: key {key!r} arrived from rank {origin[key]} and "
+                        f"from rank {src}; keys must be unique per receiver.",
+                        rank=self.rank,
+                        op=op,
+                    )
+                origin[key] = src
+                received[key] = payload
+        return received
+
+    def translate(self, op: str, exc: BaseException) -> TransportError:
+        """A torch.distributed failure as the project's error (the caller chains it)."""
+        text = str(exc)
+        lower = text.lower()
+        cls: type[TransportError]
+        if "timed out" in lower or "timeout" in lower:
+            cls = TransportTimeoutError
+        elif any(word in lower for word in _PEER_WORDS):
+            cls = PeerFailureError
+        else:
+            cls = TransportError
+        return cls(
+            f"{self.where}: {op} failed ({type(exc).__name__}): {text} The group is "
+            f"unusable from now on; close this transport.",
+            rank=self.rank,
+            op=op,
+        )
+
+
+def normalize_outgoing(outgoing: Outgoing, num_ranks: int) -> list[list[tuple[Hashable, Any]]]:
+    """``outgoing`` as one list of ``(key, payload)`` tuples per target rank."""
+    lists: list[list[tuple[Hashable, Any]]] = [[] for _ in range(num_ranks)]
+    for target, items in outgoing.items():
+        for item in items:
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                raise TypeError(
+                    f"outgoing[{target}] must hold (key, payload) pairs, but holds "
+                    f"{item!r:.80}; pass a list of 2-tuples."
+                )
+            lists[target].append((item[0], item[1]))
+    return lists
+
+
+# -- the transport ------------------------------------------------------------------------------
+
+
+class GlooTransport(Transport):
+    """Collectives of one balance group over its own Gloo process group, off the event loop.
+
+    ``process_group=None`` creates a dedicated group over ``ranks`` (default: the whole
+    world) with ``dist.new_group(..., backend="gloo", timeout=timeout)``: like ``new_group``,
+    the constructor must then run on EVERY rank of the world, in the same order for every
+    transport, members or not (non-members get a ``ValueError`` after the call). Never hand
+    it the training group: its collectives run on a background thread and would interleave
+    with the training loop's. A given ``process_group`` must be a Gloo group nothing else
+    uses; its own timeout then applies, and it is not destroyed by ``aclose()``.
+
+    ``max_frame_bytes`` bounds every frame sent and received; all ranks must use the same
+    value. See the module docstring for the protocol and the threading rules.
+    """
+
+    name = "gloo"
+    launch_on_caller = False
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        *,
+        ranks: Sequence[int] | None = None,
+        timeout: float = 30.0,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        seconds = _check_timeout(timeout)
+        limit = _check_max_frame_bytes(max_frame_bytes)
+        group, created = _open_group(process_group, ranks, seconds, "gloo", "GlooTransport")
+        backend = str(dist.get_backend(group))
+        if backend != "gloo":
+            raise ValueError(
+                f"GlooTransport needs a Gloo process group, but the given group uses "
+                f"{backend!r}; create one with dist.new_group(ranks, backend='gloo')."
+            )
+        global_ranks = tuple(dist.get_process_group_ranks(group))
+        super().__init__(
+            rank=dist.get_rank(group),
+            num_ranks=dist.get_world_size(group),
+            global_ranks=global_ranks,
+            timeout=seconds,
+        )
+        self._group = group
+        self._owns_group = created
+        self._proto = _Protocol(
+            rank=self.rank,
+            num_ranks=self.num_ranks,
+            global_ranks=global_ranks,
+            name=self.name,
+            limit=limit,
+        )
+        self._broken: TransportError | None = None
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"evenflow-gloo-r{dist.get_rank()}"
+        )
+        # A transport dropped without aclose() must not keep its thread forever.
+        self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self._proto.limit
+
+    # -- public operations ----------------------------------------------------------------------
+
+    async def all_gather(self, obj: Any) -> list[Any]:
+        """Every member's ``obj``, ordered by group rank (each decoded from the wire)."""
+        return await self._run("all_gather", functools.partial(self._all_gather, obj))
+
+    async def broadcast(self, obj: Any, *, src: int) -> Any:
+        """Member ``src``'s ``obj`` on every member (``src`` too gets a decoded copy)."""
+        self._check_open("broadcast")
+        self._check_src(src)
+        return await self._run("broadcast", functools.partial(self._broadcast, obj, src))
+
+    async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
+        """Send each ``(key, payload)`` to its target; return what arrived for this rank."""
+        self._check_open("exchange")
+        self._check_routes(outgoing)
+        return await self._run("exchange", functools.partial(self._exchange, outgoing))
+
+    async def aclose(self) -> None:
+        """Join the collective thread and destroy the group this transport created."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finalizer.detach()
+        # Joining waits for an operation still in flight (at most the group timeout).
+        await asyncio.get_running_loop().run_in_executor(
+            None, functools.partial(self._executor.shutdown, wait=True)
+        )
+        if self._owns_group and self._broken is None:
+            _destroy_group(self._group)
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    async def _run(self, op: str, work: Callable[[], T]) -> T:
+        self._check_open(op)
+        if self._broken is not None:
+            raise type(self._broken)(
+                f"Rank {self.rank}: cannot run {op}: an earlier failure made this {self.name} "
+                f"group unusable ({self._broken}).",
+                rank=self.rank,
+                op=op,
+            ) from self._broken
+        future = asyncio.get_running_loop().run_in_executor(self._executor, work)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The collective may still complete in the background: peers are out of step.
+            self._broken = TransportError(
+                f"Rank {self.rank}: {op} was cancelled while in flight.", rank=self.rank, op=op
+            )
+            raise
+
+    def _collective(self, op: str, call: Callable[[], object]) -> None:
+        """Run one blocking collective; translate and remember a failure."""
+        try:
+            call()
+        except RuntimeError as exc:
+            error = self._proto.translate(op, exc)
+            self._broken = error
+            raise error from exc
+
+    def _sizes(self, op: str, sizes: list[int]) -> list[int]:
+        send = torch.tensor(sizes, dtype=torch.int64)
+        recv = torch.empty(self.num_ranks, dtype=torch.int64)
+        self._collective(op, lambda: dist.all_to_all_single(recv, send, group=self._group))
+        return [int(s) for s in recv.tolist()]
+
+    def _move(self, op: str, send: torch.Tensor, sizes: list[int], incoming: list[int]) -> Any:
+        # numpy's allocator reuses freed pages; torch.empty of tens of MiB page-faults afresh
+        # every time (measured 3-8x slower to fill), and decoded views keep ``recv`` alive.
+        recv = np.empty(sum(incoming), dtype=np.uint8)
+        self._collective(
+            op,
+            lambda: dist.all_to_all_single(
+                torch.from_numpy(recv),
+                send,
+                output_split_sizes=incoming,
+                input_split_sizes=sizes,
+                group=self._group,
+            ),
+        )
+        return recv
+
+    def _checked(self, op: str, incoming: list[int]) -> None:
+        try:
+            self._proto.check_incoming(op, incoming)
+        except WireFormatError as exc:
+            # Our sender will enter the data step without us: the group is out of step.
+            self._broken = TransportError(str(exc), rank=self.rank, op=op)
+            raise
+
+    def _exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
+        op = "exchange"
+        try:
+            buffer, sizes = self._proto.encode_exchange(
+                op, normalize_outgoing(outgoing, self.num_ranks)
+            )
+            local_error: Exception | None = None
+        except Exception as exc:
+            local_error, sizes = exc, [_FAILED] * self.num_ranks
+        incoming = self._sizes(op, sizes)
+        if local_error is not None:
+            raise local_error
+        self._checked(op, incoming)
+        received = self._move(op, torch.from_numpy(buffer), sizes, incoming)
+        frames = decode_many(received, incoming, max_frame_bytes=self._proto.limit)
+        return self._proto.merge_exchange(op, frames)
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        op = "all_gather"
+        n = self.num_ranks
+        try:
+            frame = self._proto.encode_one(op, obj)
+            local_error: Exception | None = None
+        except Exception as exc:
+            local_error, frame = exc, np.empty(0, dtype=np.uint8)
+        incoming = self._sizes(op, [_FAILED if local_error else frame.size] * n)
+        if local_error is not None:
+            raise local_error
+        self._checked(op, incoming)
+        # all_to_all_single needs one input segment per peer: the frame, n times.
+        send = torch.from_numpy(frame)
+        received = self._move(op, send.repeat(n) if n > 1 else send, [frame.size] * n, incoming)
+        frames = decode_many(received, incoming, max_frame_bytes=self._proto.limit)
+        return frames
+
+    def _broadcast(self, obj: Any, src: int) -> Any:
+        op = "broadcast"
+        local_error: Exception | None = None
+        frame = np.empty(0, dtype=np.uint8)
+        if self.rank == src:
+            try:
+                frame = self._proto.encode_one(op, obj)
+            except Exception as exc:
+                local_error = exc
+        size = torch.tensor([_FAILED if local_error else frame.size], dtype=torch.int64)
+        self._collective(op, lambda: dist.broadcast(size, group=self._group, group_src=src))
+        if local_error is not None:
+            raise local_error
+        announced = int(size.item())
+        incoming = [0] * self.num_ranks
+        incoming[src] = announced
+        self._checked(op, incoming)
+        data = torch.from_numpy(frame if self.rank == src else np.empty(announced, np.uint8))
+        self._collective(op, lambda: dist.broadcast(data, group=self._group, group_src=src))
+        # src decodes its own frame too: nobody receives an alias of the caller's objects.
+        return decode_many(data.numpy(), [announced], max_frame_bytes=self._proto.limit)[0]
