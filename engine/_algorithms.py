@@ -1,0 +1,374 @@
+"""Balancing algorithms: the problem they solve, their contract, and the reference greedy.
+
+A :class:`BalanceProblem` is one step of one balance group in canonical form: the samples in
+ascending key order (so no result can depend on the order in which metadata was gathered),
+their scalar costs, token counts and packing-budget footprints, and the source layout. An
+algorithm returns a new layout of the same samples into the same number of non-empty bins per
+rank; the planner validates it and decides whether to use it.
+
+:class:`LPTAlgorithm` reproduces the reference greedy exactly (longest processing time first
+with best-fit bins, falling back to the source layout when a sample fits nowhere). The default
+algorithm, :class:`~evenflow.engine._refine.RefineAlgorithm`, lives in its own module.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from evenflow.engine._model import PackingConstraints, SampleKey
+from evenflow.engine._objectives import Objective, makespan
+from evenflow.engine._refine import RefineAlgorithm
+from evenflow.engine.errors import ConfigError
+
+__all__ = [
+    "ALGORITHMS",
+    "BalanceProblem",
+    "BalancingAlgorithm",
+    "LPTAlgorithm",
+    "RefineAlgorithm",
+    "first_infeasible_bin",
+    "lpt_assign",
+    "resolve_algorithm",
+]
+
+RankCostFn = Callable[[np.ndarray], np.ndarray]
+
+
+@dataclass(frozen=True, eq=False)
+class BalanceProblem:
+    """One step of one balance group, in canonical order (built by the planner).
+
+    Sample ``i`` is ``keys[i]``; keys are sorted ascending, so index order is key order and
+    breaking ties by index is breaking them by key. ``costs[i]`` is the scalar cost used for
+    every greedy decision, ``tokens[i]`` its packed length and ``budget_costs[i, k]`` its
+    footprint for the ``k``-th name of ``constraints.budgets``. ``source_bins`` is the source
+    layout, rank-major: bins ``r * bins_per_rank`` to ``(r + 1) * bins_per_rank - 1`` belong to
+    rank ``r``. The arrays are read-only; an algorithm must not try to change them.
+
+    ``rank_cost_fn``, when set, maps the destination rank of every sample (an int64 vector of
+    length ``num_samples``) to the per-rank costs. The planner sets it for cost models whose
+    rank cost is not the plain sum of sample costs (e.g. the slowest of several components);
+    :meth:`rank_costs` uses it, so every layout is scored in the planner's units.
+    """
+
+    keys: tuple[SampleKey, ...]
+    costs: np.ndarray
+    tokens: np.ndarray
+    budget_costs: np.ndarray
+    source_bins: tuple[tuple[int, ...], ...]
+    num_ranks: int
+    bins_per_rank: int
+    constraints: PackingConstraints
+    objective: Objective = makespan
+    rank_cost_fn: RankCostFn | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.keys)
+        costs = np.asarray(self.costs, dtype=np.float64)
+        tokens = np.asarray(self.tokens, dtype=np.int64)
+        budget_costs = np.asarray(self.budget_costs, dtype=np.float64)
+        if budget_costs.size == 0:
+            budget_costs = budget_costs.reshape(n, len(self.constraints.budgets))
+        if costs.shape != (n,) or tokens.shape != (n,):
+            raise ConfigError(
+                f"BalanceProblem.costs and .tokens must have shape ({n},) (one entry per key), "
+                f"but got {costs.shape} and {tokens.shape}."
+            )
+        expected = (n, len(self.constraints.budgets))
+        if budget_costs.shape != expected:
+            raise ConfigError(
+                f"BalanceProblem.budget_costs must have shape {expected} (one column per "
+                f"packing budget), but got {budget_costs.shape}."
+            )
+        if len(self.source_bins) != self.num_ranks * self.bins_per_rank:
+            raise ConfigError(
+                f"BalanceProblem.source_bins must hold num_ranks * bins_per_rank = "
+                f"{self.num_ranks * self.bins_per_rank} bins, but got {len(self.source_bins)}."
+            )
+        # Read-only views: the caller's arrays stay as they were, algorithms cannot write.
+        for name, array in (("costs", costs), ("tokens", tokens), ("budget_costs", budget_costs)):
+            view = array.view()
+            view.setflags(write=False)
+            object.__setattr__(self, name, view)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_bins(self) -> int:
+        return self.num_ranks * self.bins_per_rank
+
+    def rank_of(self, bins: Sequence[Sequence[int]]) -> np.ndarray:
+        """Destination rank of every sample under the rank-major layout ``bins``."""
+        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+        flat = np.fromiter(
+            (i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum(dtype=np.int64))
+        )
+        ranks = np.repeat(np.arange(len(bins), dtype=np.int64) // self.bins_per_rank, sizes)
+        out = np.full(self.num_samples, -1, dtype=np.int64)
+        out[flat] = ranks
+        return out
+
+    def rank_costs_of(self, rank_of: np.ndarray) -> np.ndarray:
+        """Per-rank costs given the destination rank of every sample."""
+        if self.rank_cost_fn is not None:
+            return np.asarray(self.rank_cost_fn(rank_of), dtype=np.float64)
+        return np.bincount(rank_of, weights=self.costs, minlength=self.num_ranks)
+
+    def rank_costs(self, bins: Sequence[Sequence[int]]) -> np.ndarray:
+        """Per-rank costs of the layout ``bins`` (float64, one entry per rank)."""
+        return self.rank_costs_of(self.rank_of(bins))
+
+    def score(self, bins: Sequence[Sequence[int]]) -> float:
+        """The problem's objective applied to :meth:`rank_costs`."""
+        return float(self.objective(self.rank_costs(bins)))
+
+
+def first_infeasible_bin(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> int:
+    """Index of the first bin that breaks the packing constraints, or -1 when all hold.
+
+    A bin holds when its tokens fit ``seq_len`` (or it is one oversized sample alone under
+    ``oversized_policy="single"``) and every budget sum fits its budget. Budget sums are added
+    sample by sample in bin order, exactly as :meth:`PackingConstraints.validate_bin` does,
+    so this vectorised check and that replay never disagree on a bin at the edge of a
+    budget. Bins must be non-empty and hold valid indices (checked by the caller).
+    """
+    constraints = problem.constraints
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+    bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
+    totals = np.bincount(bin_ids, weights=problem.tokens[flat], minlength=len(bins))
+    over = totals > constraints.seq_len
+    if constraints.oversized_policy == "single":
+        over &= sizes != 1
+    bad = over
+    limits = np.array(list(constraints.budgets.values()), dtype=np.float64)
+    if limits.size:
+        # Column by column (the p-th sample of every bin at once) keeps the per-bin
+        # summation order sequential; prefix sums of non-negative values only grow, so the
+        # final sum decides.
+        position = np.arange(flat.size, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        order = np.argsort(position, kind="stable")
+        bounds = np.searchsorted(position[order], np.arange(int(sizes.max()) + 1))
+        sums = np.zeros((len(bins), limits.size), dtype=np.float64)
+        values = problem.budget_costs
+        for p in range(bounds.size - 1):
+            chunk = order[bounds[p] : bounds[p + 1]]
+            sums[bin_ids[chunk]] += values[flat[chunk]]
+        bad = bad | np.any(sums > limits, axis=1)
+    hits = np.flatnonzero(bad)
+    return int(hits[0]) if hits.size else -1
+
+
+@runtime_checkable
+class BalancingAlgorithm(Protocol):
+    """A pluggable balancing policy.
+
+    ``assign(problem)`` returns ``problem.num_bins`` rank-major bins of sample indices (every
+    index exactly once, every bin non-empty and feasible under ``problem.constraints``), or
+    ``None`` to keep the source layout. It must be deterministic (a pure function of the
+    problem), do no I/O and not mutate the problem. The planner validates the result, raising
+    ``PlanningError`` on a bad one, and applies the acceptance gate. ``algorithm_id`` is a
+    versioned identity that enters configuration fingerprints: change it whenever a change of
+    code can change a plan.
+    """
+
+    name: str
+    algorithm_id: str
+
+    def assign(self, problem: BalanceProblem) -> Sequence[Sequence[int]] | None: ...
+
+
+def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
+    """The reference greedy; ``None`` when some sample fits no bin (a dead end).
+
+    Samples go in order of (-cost, -tokens, key). The first ``num_bins`` samples each open a
+    distinct empty bin, so every bin ends non-empty; afterwards a sample goes to the feasible
+    bin minimising (rank load, capacity left after insertion, rank tokens, rank, bin). Rank
+    tokens add ``min(tokens, seq_len)``. Loads are Python floats summed in the same order as
+    the reference, so ties resolve identically.
+    """
+    num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
+    num_bins = num_ranks * per_rank
+    seq_len = problem.constraints.seq_len
+    n = problem.num_samples
+    if n < num_bins:
+        return None
+    order = np.lexsort((-problem.tokens, -problem.costs)).tolist()
+    costs: list[float] = problem.costs.tolist()
+    tokens: list[int] = problem.tokens.tolist()
+    budgets = list(problem.constraints.budgets.values())
+    budget_rows: list[list[float]] = problem.budget_costs.tolist() if budgets else []
+
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    bin_tokens = [[0] * per_rank for _ in range(num_ranks)]
+    bin_budget = [[[0.0] * len(budgets) for _ in range(per_rank)] for _ in range(num_ranks)]
+
+    # Phase 1: every bin is empty, so the capacity term is equal for all candidates and the
+    # choice is the rank minimising (load, tokens, rank), then its first empty bin.
+    heap: list[tuple[float, int, int]] = [(0.0, 0, r) for r in range(num_ranks)]
+    opened = [0] * num_ranks
+    full: list[tuple[float, int, int]] = []
+    for i in order[:num_bins]:
+        load, rank_tok, r = heapq.heappop(heap)
+        p = opened[r]
+        opened[r] = p + 1
+        bins[r * per_rank + p].append(i)
+        t = tokens[i]
+        bin_tokens[r][p] = t
+        if budgets:
+            bin_budget[r][p] = list(budget_rows[i])
+        entry = (load + costs[i], rank_tok + min(t, seq_len), r)
+        if p + 1 < per_rank:
+            heapq.heappush(heap, entry)
+        else:
+            full.append(entry)  # no empty bin left: ineligible until phase 2
+    heap.extend(full)
+    heapq.heapify(heap)
+
+    # Phase 2: every bin is eligible. The least-loaded rank with a feasible bin wins; ranks
+    # tied on load compare (capacity left, tokens, rank, bin), so all of them are examined.
+    # A rank whose emptiest bin cannot take the sample's tokens is *parked*, keyed by that
+    # room, and returns to the heap only for a sample short enough to fit it: bins only fill
+    # up, so this never hides a feasible rank, and with costs that grow with length (tokens
+    # then only shrink along the order) each rank is parked and released a bounded number of
+    # times instead of being re-examined for every sample.
+    room = [seq_len - min(row) for row in bin_tokens]
+    parked: list[tuple[int, tuple[float, int, int]]] = []
+    skipped: list[tuple[float, int, int]] = []
+    heappop, heappush = heapq.heappop, heapq.heappush
+    for i in order[num_bins:]:
+        t = tokens[i]
+        if t > seq_len:
+            return None  # an oversized sample needs an empty bin; none is left
+        while parked and -parked[0][0] >= t:
+            heappush(heap, heappop(parked)[1])
+        limit = seq_len - t
+        row = budget_rows[i] if budgets else None
+        # The first rank (in load order) with a feasible bin, and its best bin.
+        while True:
+            if not heap:
+                return None
+            entry = heappop(heap)
+            r = entry[2]
+            if room[r] < t:
+                heappush(parked, (-room[r], entry))
+                continue
+            if row is None:
+                # Inlined best fit: room[r] >= t guarantees a slot.
+                fill = -1
+                slot = 0
+                for p, v in enumerate(bin_tokens[r]):
+                    if limit >= v > fill:
+                        fill = v
+                        slot = p
+                break
+            slot = _best_bin(bin_tokens[r], limit, row, bin_budget[r], budgets)
+            if slot >= 0:
+                break
+            skipped.append(entry)  # tokens fit but a budget does not
+        if heap and heap[0][0] == entry[0]:
+            # Ranks tied on load: the smallest (capacity left, tokens, rank, bin) wins.
+            best = (limit - bin_tokens[r][slot], entry[1], r, slot)
+            best_entry = entry
+            while heap and heap[0][0] == best_entry[0]:
+                other = heappop(heap)
+                q = other[2]
+                other_slot = (
+                    _best_bin(bin_tokens[q], limit, row, bin_budget[q], budgets)
+                    if room[q] >= t
+                    else -1
+                )
+                candidate = (limit - bin_tokens[q][other_slot], other[1], q, other_slot)
+                if other_slot >= 0 and candidate < best:
+                    skipped.append(best_entry)
+                    best, best_entry = candidate, other
+                else:
+                    skipped.append(other)
+            entry, r, slot = best_entry, best[2], best[3]
+        bins[r * per_rank + slot].append(i)
+        row_tokens = bin_tokens[r]
+        row_tokens[slot] += t
+        room[r] = seq_len - min(row_tokens)
+        if row is not None:
+            acc = bin_budget[r][slot]
+            for k, value in enumerate(row):
+                acc[k] += value
+        heappush(heap, (entry[0] + costs[i], entry[1] + t, r))
+        if skipped:
+            for other in skipped:
+                heappush(heap, other)
+            skipped.clear()
+    return bins
+
+
+def _best_bin(
+    fills: list[int],
+    limit: int,
+    row: list[float] | None,
+    sums: list[list[float]],
+    budgets: list[float],
+) -> int:
+    """The fullest bin that can still take ``limit``-bounded tokens (first on ties), or -1."""
+    fill = -1
+    slot = -1
+    for p, v in enumerate(fills):
+        if limit >= v > fill and (row is None or _budget_fits(sums[p], row, budgets)):
+            fill = v
+            slot = p
+    return slot
+
+
+def _budget_fits(acc: list[float], row: list[float], budgets: list[float]) -> bool:
+    return all(acc[k] + row[k] <= budget for k, budget in enumerate(budgets))
+
+
+class LPTAlgorithm:
+    """Longest processing time first with best-fit bins: the reference behaviour, exactly.
+
+    Fast (one heap operation per sample) and good when bins have room, but it dead-ends when
+    bins are nearly full (a long sample late in the order fits nowhere) and then keeps the
+    source layout. See :func:`lpt_assign` for the precise rule.
+    """
+
+    name = "lpt"
+    algorithm_id = "lpt-v1"
+
+    def assign(self, problem: BalanceProblem) -> list[list[int]] | None:
+        """The greedy layout, or ``None`` (keep the source) on a dead end."""
+        return lpt_assign(problem)
+
+    def __repr__(self) -> str:
+        return "LPTAlgorithm()"
+
+
+ALGORITHMS: dict[str, Callable[[], BalancingAlgorithm]] = {
+    "default": RefineAlgorithm,
+    "refine": RefineAlgorithm,
+    "lpt": LPTAlgorithm,
+}
+
+
+def resolve_algorithm(value: object) -> BalancingAlgorithm:
+    """A balancing algorithm from a name (``"default"``, ``"refine"``, ``"lpt"``) or object."""
+    if isinstance(value, str):
+        factory = ALGORITHMS.get(value)
+        if factory is None:
+            known = ", ".join(repr(name) for name in ALGORITHMS)
+            raise ConfigError(
+                f"algorithm must be one of {known} or an object with an assign(problem) "
+                f"method, but got {value!r}."
+            )
+        return factory()
+    if callable(getattr(value, "assign", None)):
+        return value  # type: ignore[return-value]
+    raise TypeError(
+        f"algorithm must be a name ('default', 'refine', 'lpt') or an object with a callable "
+        f"assign(problem) method, but got {value!r} ({type(value).__name__})."
+    )

@@ -1,0 +1,479 @@
+"""The planner: validate one gathered step, cost it, balance it, gate it, return a Plan.
+
+The planner owns everything around the balancing algorithm that must be trusted: input
+validation (every key once, every source bin feasible), cost evaluation (once per sample,
+vectorised), canonical ordering (so a plan never depends on gather order), validation of the
+algorithm's output (count, non-empty, conservation, capacity, budgets) and the acceptance gate
+(the source layout is kept unless the candidate is strictly better by more than
+``min_balance_gain``). Work per step is a handful of passes over the samples; the only
+per-sample Python is unpacking the input and building the result.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from evenflow.engine._algorithms import (
+    BalanceProblem,
+    BalancingAlgorithm,
+    first_infeasible_bin,
+    resolve_algorithm,
+)
+from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
+from evenflow.engine._objectives import resolve_objective
+from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, plan_digest
+from evenflow.engine._validate import check_int, check_number
+from evenflow.engine.errors import ConfigError, PlanningError
+
+__all__ = ["Planner"]
+
+_KEY_FIELDS = operator.attrgetter("source_rank", "step", "index")
+
+
+class Planner:
+    """Plans one step of one balance group at a time (see the module docstring).
+
+    ``num_ranks`` ranks hold ``bins_per_rank`` packed sequences of ``seq_len`` tokens each.
+    ``cost_model``: anything :func:`evenflow.engine._cost.resolve_cost_model` accepts.
+    ``algorithm``: ``"default"`` (= ``"refine"``), ``"lpt"`` or an object with
+    ``assign(problem)``. ``objective``: ``"makespan"`` or ``"balance"``.
+    ``min_balance_gain`` in [0, 1): the candidate replaces the source layout only when
+    ``(original - candidate) / original > min_balance_gain``. ``oversized_policy`` and
+    ``packing_budgets`` define feasibility (see :class:`PackingConstraints`).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_ranks: int,
+        bins_per_rank: int,
+        seq_len: int,
+        cost_model: object = None,
+        algorithm: object = "default",
+        objective: str = "makespan",
+        min_balance_gain: float = 0.0,
+        oversized_policy: str = "error",
+        packing_budgets: dict[str, float] | None = None,
+    ) -> None:
+        from evenflow.engine import _cost
+
+        self.num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+        self.bins_per_rank = check_int("bins_per_rank", bins_per_rank, minimum=1)
+        self.constraints = PackingConstraints(
+            seq_len=seq_len,
+            oversized_policy=oversized_policy,  # type: ignore[arg-type]
+            packing_budgets=packing_budgets,
+        )
+        self.seq_len = self.constraints.seq_len
+        self.objective_name = objective
+        self.objective = resolve_objective(objective)
+        gain = check_number(
+            "min_balance_gain", min_balance_gain, minimum=0.0, maximum=1.0, strict_maximum=True
+        )
+        self.min_balance_gain = gain
+        self.cost_model: Any = _cost.resolve_cost_model(cost_model)
+        self.cost_model_id = _cost.cost_model_id(self.cost_model)
+        self._components = isinstance(self.cost_model, _cost.ComponentCost)
+        self.algorithm: BalancingAlgorithm = resolve_algorithm(algorithm)
+        self.algorithm_name = str(getattr(self.algorithm, "name", type(self.algorithm).__name__))
+        self.algorithm_id = str(
+            getattr(self.algorithm, "algorithm_id", type(self.algorithm).__qualname__)
+        )
+        self._last_keys: tuple[SampleKey, ...] = ()
+        self._last_values: list[float] = []
+        self._last_costs: dict[SampleKey, float] | None = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Planner(num_ranks={self.num_ranks}, bins_per_rank={self.bins_per_rank}, "
+            f"seq_len={self.seq_len}, algorithm={self.algorithm_name!r}, "
+            f"objective={self.objective_name!r})"
+        )
+
+    @property
+    def num_bins(self) -> int:
+        return self.num_ranks * self.bins_per_rank
+
+    @property
+    def last_costs(self) -> dict[SampleKey, float]:
+        """Predicted cost of every sample of the last planned step (built on first access)."""
+        if self._last_costs is None:
+            self._last_costs = dict(zip(self._last_keys, self._last_values, strict=True))
+        return self._last_costs
+
+    def identity(self) -> dict[str, Any]:
+        """Plain data that determines every plan this planner makes (for fingerprints)."""
+        return {
+            "num_ranks": self.num_ranks,
+            "bins_per_rank": self.bins_per_rank,
+            "seq_len": self.seq_len,
+            "oversized_policy": self.constraints.oversized_policy,
+            "packing_budgets": dict(sorted(self.constraints.budgets.items())),
+            "objective": self.objective_name,
+            "min_balance_gain": self.min_balance_gain,
+            "cost_model": self.cost_model_id,
+            "algorithm": self.algorithm_id,
+        }
+
+    # ------------------------------------------------------------------ planning
+
+    def plan(
+        self,
+        samples: Iterable[tuple[SampleKey, SampleMetadata]],
+        reference_bins: Sequence[Sequence[SampleKey]],
+        step: int,
+    ) -> Plan:
+        """Plan ``step``: the samples re-assigned to ``num_ranks * bins_per_rank`` bins.
+
+        ``samples`` are the step's ``(key, metadata)`` pairs in any order; ``reference_bins``
+        is the source layout, rank-major (the first ``bins_per_rank`` bins belong to rank 0),
+        listing every key exactly once. Raises ``ConfigError``/``TypeError`` on bad input and
+        ``PlanningError`` when the algorithm returns an invalid layout.
+        """
+        step = check_int("step", step, minimum=0)
+        keys, metas = self._canonical_samples(samples)
+        index = {fields: i for i, fields in enumerate(map(_KEY_FIELDS, keys))}
+        if len(index) != len(keys):
+            self._raise_duplicate(keys)
+        tokens = np.fromiter((m.tokens for m in metas), dtype=np.int64, count=len(metas))
+        budget_costs = self._budget_costs(keys, metas, tokens)
+        source = self._source_bins(reference_bins, keys, index)
+        costs, rank_cost_fn = self._costs(keys, metas)
+        problem = BalanceProblem(
+            keys=keys,
+            costs=costs,
+            tokens=tokens,
+            budget_costs=budget_costs,
+            source_bins=source,
+            num_ranks=self.num_ranks,
+            bins_per_rank=self.bins_per_rank,
+            constraints=self.constraints,
+            objective=self.objective,
+            rank_cost_fn=rank_cost_fn,
+        )
+        self._check_feasible(problem, source, keys, metas, who="reference_bins")
+        self._last_keys, self._last_values, self._last_costs = keys, costs.tolist(), None
+
+        source_rank = problem.rank_of(source)
+        source_costs = problem.rank_costs_of(source_rank)
+        original = self._score(source_costs)
+        candidate = self.algorithm.assign(problem)
+        if candidate is None:
+            bins: Sequence[Sequence[int]] = source
+            candidate_costs = source_costs
+            candidate_score = original
+        else:
+            bins = self._check_candidate(problem, candidate, keys, metas)
+            candidate_costs = problem.rank_costs(bins)
+            candidate_score = self._score(candidate_costs)
+        gain = (original - candidate_score) / original if original > 0 else 0.0
+        accepted = candidate is not None and gain > self.min_balance_gain
+        if not accepted:
+            bins, candidate_final_costs = source, source_costs
+        else:
+            candidate_final_costs = candidate_costs
+        decision = BalanceDecision(
+            objective=self.objective_name,
+            algorithm=self.algorithm_name,
+            original_objective=original,
+            candidate_objective=candidate_score,
+            relative_gain=gain,
+            min_balance_gain=self.min_balance_gain,
+            accepted=accepted,
+        )
+        return self._build_plan(
+            step,
+            problem,
+            bins=bins,
+            rank_costs=candidate_final_costs,
+            source_costs=source_costs,
+            source_rank=source_rank,
+            decision=decision,
+        )
+
+    # ------------------------------------------------------------------ steps of plan()
+
+    def _canonical_samples(
+        self, samples: Iterable[tuple[SampleKey, SampleMetadata]]
+    ) -> tuple[tuple[SampleKey, ...], list[SampleMetadata]]:
+        given: object = samples
+        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+            raise TypeError(
+                f"samples must be an iterable of (SampleKey, SampleMetadata) pairs, but got "
+                f"{samples!r:.80}."
+            )
+        items = list(samples)
+        for item in items:
+            if (
+                type(item) is not tuple
+                or len(item) != 2
+                or not isinstance(item[0], SampleKey)
+                or not isinstance(item[1], SampleMetadata)
+            ):
+                raise TypeError(
+                    f"samples must contain (SampleKey, SampleMetadata) pairs, but got "
+                    f"{item!r:.120}; pass one tuple per sample."
+                )
+        if not items:
+            raise ConfigError(
+                f"samples is empty, but a step needs at least num_ranks * bins_per_rank = "
+                f"{self.num_bins} samples (one per bin)."
+            )
+        # Canonical order: ascending key. Field tuples compare in C, far faster than keys.
+        fields = list(map(_KEY_FIELDS, (item[0] for item in items)))
+        order = sorted(range(len(items)), key=fields.__getitem__)
+        keys = tuple(items[i][0] for i in order)
+        metas = [items[i][1] for i in order]
+        return keys, metas
+
+    @staticmethod
+    def _raise_duplicate(keys: Sequence[SampleKey]) -> None:
+        for a, b in itertools.pairwise(keys):
+            if a == b:
+                raise ConfigError(
+                    f"samples lists key {a} more than once; every sample of a step needs a "
+                    "distinct SampleKey."
+                )
+        raise AssertionError("unreachable: a duplicate key must be adjacent in sorted order")
+
+    def _budget_costs(
+        self, keys: Sequence[SampleKey], metas: Sequence[SampleMetadata], tokens: np.ndarray
+    ) -> np.ndarray:
+        """Footprints per budget; raises the canonical message for an impossible sample."""
+        constraints = self.constraints
+        names = list(constraints.budgets)
+        out = np.zeros((len(metas), len(names)), dtype=np.float64)
+        for k, name in enumerate(names):
+            column = [m.packing_costs.get(name) for m in metas]
+            if None in column:
+                i = column.index(None)
+                constraints.validate_sample(keys[i], metas[i])  # raises: missing name
+            out[:, k] = column
+        bad = np.zeros(len(metas), dtype=bool)
+        if constraints.oversized_policy == "error":
+            bad |= tokens > constraints.seq_len
+        if names:
+            bad |= np.any(out > np.array(list(constraints.budgets.values())), axis=1)
+        hits = np.flatnonzero(bad)
+        if hits.size:
+            i = int(hits[0])
+            constraints.validate_sample(keys[i], metas[i])  # raises the precise message
+            raise AssertionError("unreachable: validate_sample must reject this sample")
+        return out
+
+    def _source_bins(
+        self,
+        reference_bins: Sequence[Sequence[SampleKey]],
+        keys: Sequence[SampleKey],
+        index: dict[tuple[int, int, int], int],
+    ) -> tuple[tuple[int, ...], ...]:
+        nb = self.num_bins
+        given: object = reference_bins
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+            raise TypeError(
+                f"reference_bins must be a sequence of {nb} bins (sequences of SampleKey), "
+                f"but got {reference_bins!r:.80}."
+            )
+        if len(reference_bins) != nb:
+            raise ConfigError(
+                f"reference_bins must hold num_ranks * bins_per_rank = {nb} bins "
+                f"({self.num_ranks} ranks x {self.bins_per_rank}), but got "
+                f"{len(reference_bins)}; pass the source layout rank-major."
+            )
+        out: list[tuple[int, ...]] = []
+        seen = np.zeros(len(keys), dtype=np.int64)
+        for b, items in enumerate(reference_bins):
+            bin_value: object = items
+            if (
+                isinstance(bin_value, (str, bytes))
+                or not isinstance(bin_value, Sequence)
+                or not bin_value
+            ):
+                raise ConfigError(
+                    f"reference_bins[{b}] (rank {b // self.bins_per_rank}, bin "
+                    f"{b % self.bins_per_rank}) must be a non-empty sequence of SampleKey, but "
+                    f"got {items!r:.80}; every source bin holds at least one sample."
+                )
+            try:
+                positions = tuple(index.get(f, -1) for f in map(_KEY_FIELDS, items))
+            except AttributeError:
+                bad = next(k for k in items if not isinstance(k, SampleKey))
+                raise TypeError(
+                    f"reference_bins[{b}] must contain SampleKey values, but got {bad!r:.80}."
+                ) from None
+            if -1 in positions:
+                missing = items[positions.index(-1)]
+                raise ConfigError(
+                    f"reference_bins[{b}] lists key {missing}, which is not among samples; "
+                    "reference_bins must list exactly the keys of samples."
+                )
+            out.append(positions)
+            np.add.at(seen, np.asarray(positions, dtype=np.int64), 1)
+        if not np.all(seen == 1):
+            twice = np.flatnonzero(seen > 1)
+            if twice.size:
+                raise ConfigError(
+                    f"reference_bins lists key {keys[int(twice[0])]} more than once; every "
+                    "key must appear in exactly one source bin."
+                )
+            absent = int(np.flatnonzero(seen == 0)[0])
+            raise ConfigError(
+                f"reference_bins does not list key {keys[absent]} of samples; every key must "
+                "appear in exactly one source bin."
+            )
+        return tuple(out)
+
+    def _costs(
+        self, keys: tuple[SampleKey, ...], metas: list[SampleMetadata]
+    ) -> tuple[np.ndarray, Any]:
+        from evenflow.engine import _cost
+
+        if not self._components:
+            return _cost.evaluate_costs(self.cost_model, metas, keys=keys), None
+        model = self.cost_model
+        parts = _cost.evaluate_components(model, metas, keys=keys)
+        weights = np.asarray(model.weights, dtype=np.float64)
+        weighted = parts * weights
+        reduce_max = model.reduce == "max"
+        scalar = weighted.max(axis=1) if reduce_max else weighted.sum(axis=1)
+        num_ranks = self.num_ranks
+
+        def rank_costs(rank_of: np.ndarray) -> np.ndarray:
+            # Per-rank component sums, then the model's own combination of them: with
+            # reduce="max" a rank costs its slowest component, not the sum of sample scalars.
+            sums = np.stack(
+                [
+                    np.bincount(rank_of, weights=parts[:, c], minlength=num_ranks)
+                    for c in range(parts.shape[1])
+                ],
+                axis=1,
+            )
+            return np.array([model.combine(row) for row in sums], dtype=np.float64)
+
+        return scalar, rank_costs
+
+    def _check_feasible(
+        self,
+        problem: BalanceProblem,
+        bins: Sequence[Sequence[int]],
+        keys: Sequence[SampleKey],
+        metas: Sequence[SampleMetadata],
+        *,
+        who: str,
+    ) -> None:
+        bad = first_infeasible_bin(problem, bins)
+        if bad < 0:
+            return
+        where = f"{who}[{bad}] (rank {bad // self.bins_per_rank}, bin {bad % self.bins_per_rank})"
+        try:
+            self.constraints.validate_bin((keys[i], metas[i]) for i in bins[bad])
+        except ConfigError as exc:
+            if who == "reference_bins":
+                raise ConfigError(f"{where} is not a feasible packed bin: {exc}") from exc
+            raise PlanningError(
+                f"Algorithm {self.algorithm_name!r} returned an infeasible layout: {where}: "
+                f"{exc} Every bin must respect seq_len and packing_budgets."
+            ) from exc
+        raise AssertionError("unreachable: validate_bin must reject an infeasible bin")
+
+    def _check_candidate(
+        self,
+        problem: BalanceProblem,
+        candidate: object,
+        keys: Sequence[SampleKey],
+        metas: Sequence[SampleMetadata],
+    ) -> list[list[int]]:
+        nb = self.num_bins
+        n = problem.num_samples
+        name = self.algorithm_name
+        if (
+            isinstance(candidate, (str, bytes))
+            or not isinstance(candidate, Sequence)
+            or len(candidate) != nb
+        ):
+            raise PlanningError(
+                f"Algorithm {name!r} must return num_ranks * bins_per_rank = {nb} bins "
+                f"(or None), but returned {candidate!r:.120}."
+            )
+        bins: list[list[int]] = []
+        for b, items in enumerate(candidate):
+            array = np.asarray(items)
+            if array.ndim != 1 or array.size == 0 or array.dtype.kind not in "iu":
+                raise PlanningError(
+                    f"Algorithm {name!r} returned bin {b} = {items!r:.80}; every bin must be a "
+                    f"non-empty sequence of sample indices (integers in [0, {n}))."
+                )
+            bins.append(array.tolist())
+        flat = np.concatenate([np.asarray(b, dtype=np.int64) for b in bins])
+        if flat.min() < 0 or flat.max() >= n:
+            bad = int(flat[(flat < 0) | (flat >= n)][0])
+            raise PlanningError(
+                f"Algorithm {name!r} returned sample index {bad}, outside [0, {n})."
+            )
+        counts = np.bincount(flat, minlength=n)
+        if flat.size != n or not np.all(counts == 1):
+            wrong = int(np.flatnonzero(counts != 1)[0])
+            raise PlanningError(
+                f"Algorithm {name!r} must conserve every sample key exactly once, but key "
+                f"{keys[wrong]} appears {int(counts[wrong])} times in its layout."
+            )
+        self._check_feasible(problem, bins, keys, metas, who="bins")
+        return bins
+
+    def _score(self, rank_costs: np.ndarray) -> float:
+        value = float(self.objective(rank_costs))
+        if not math.isfinite(value) or value < 0:
+            raise PlanningError(
+                f"objective {self.objective_name!r} returned {value!r}; it must be finite and >= 0."
+            )
+        return value
+
+    def _build_plan(
+        self,
+        step: int,
+        problem: BalanceProblem,
+        *,
+        bins: Sequence[Sequence[int]],
+        rank_costs: np.ndarray,
+        source_costs: np.ndarray,
+        source_rank: np.ndarray,
+        decision: BalanceDecision,
+    ) -> Plan:
+        keys = problem.keys
+        per = self.bins_per_rank
+        seq_len = self.seq_len
+        tokens = problem.tokens
+        key_bins = [[keys[i] for i in b] for b in bins]
+        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+        flat = np.concatenate([np.asarray(b, dtype=np.int64) for b in bins])
+        bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
+        bin_tokens = np.bincount(bin_ids, weights=tokens[flat], minlength=len(bins))
+        bin_tokens = bin_tokens.astype(np.int64).tolist()
+        local_batches = tuple(
+            tuple(
+                BinPlan(
+                    sample_keys=tuple(key_bins[b]),
+                    tokens=bin_tokens[b],
+                    oversized=bin_tokens[b] > seq_len,
+                )
+                for b in range(r * per, (r + 1) * per)
+            )
+            for r in range(self.num_ranks)
+        )
+        dest_rank = problem.rank_of(bins)
+        return Plan(
+            step=step,
+            seq_len=seq_len,
+            local_batches=local_batches,
+            rank_costs=tuple(float(c) for c in rank_costs),
+            source_rank_costs=tuple(float(c) for c in source_costs),
+            decision=decision,
+            num_moved=int(np.count_nonzero(dest_rank != source_rank)),
+            digest=plan_digest(step, seq_len, key_bins, per),
+        )

@@ -1,0 +1,588 @@
+"""The default balancing algorithm: the best of several starts, then bounded local search.
+
+Why not just the greedy: LPT (``lpt``) is good when bins have room, but when the source packs
+bins to ~100% (best-fit-decreasing sources do) a long sample late in its order fits nowhere,
+the run dead-ends and the step keeps its source layout, however unbalanced. This algorithm
+never dead-ends and is never worse than either of them:
+
+1. **Starts.** The source layout, the LPT layout (when it exists) and a bin-level LPT of the
+   source bins (whole source bins dealt to ranks heaviest first; always feasible because the
+   bins are). The best start under the problem's objective is searched from; small problems
+   search from every start.
+2. **Local search** on the scalar sample costs, always working on the most loaded rank ``a``
+   against the lightest ranks ``b``. A change moves a net cost ``d`` from ``a`` to ``b``; it
+   is accepted only when ``0 < d < load[a] - load[b]``, i.e. when both ranks end strictly
+   below ``load[a]``. That condition strictly lowers the pair's maximum *and* the sum of
+   squared loads, so the search improves lexicographically (the maximum, then the spread)
+   and cannot cycle; ties at the maximum still make progress because the next tied rank is
+   worked on next. Families, cheapest first: moving one sample to a bin with room, exchanging
+   two whole bins, swapping two samples, and exchanging one sample for a run of samples of
+   another bin with a compatible token total (what still works when every bin is full and
+   costs are convex in length: one long sample for several short ones of the same length is
+   a cost reduction at equal tokens). Every candidate is checked against ``seq_len``, the
+   packing budgets, the oversized rule (an oversized sample stays alone) and non-empty bins.
+3. **Final choice**: the best of the searched layout, the source and LPT under the problem's
+   own objective (``problem.score``), so the result is never worse than either even when the
+   objective is not what the search optimises (``balance``, or a component cost model whose
+   rank cost is not a sum).
+
+Budget: the search stops after ``max_iterations`` improvement attempts (by default a linear
+function of the number of bins) or when the most loaded rank admits no improving change
+(``makespan``) / no rank does (``balance``). Candidates are evaluated in bulk with numpy; the
+per-iteration cost is a few dozen array operations over one rank's samples and the lightest
+ranks' bins. Deterministic: no randomness, ties go to the lowest index.
+
+Limits: moves are between two ranks at a time (no ejection chains), runs in one-for-many
+exchanges are contiguous in token order within a bin, and the search optimises the sum of
+scalar sample costs, which is only a proxy when a component cost model takes the maximum of
+its components.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from evenflow.engine._objectives import balance
+from evenflow.engine._validate import check_optional_int
+
+if TYPE_CHECKING:
+    from evenflow.engine._algorithms import BalanceProblem
+
+__all__ = ["RefineAlgorithm"]
+
+# Number of lightest ranks examined as partners of the most loaded rank, then the wider set
+# tried once before declaring the rank stuck.
+_NEAR_TARGETS = 4
+_WIDE_TARGETS = 32
+# Problems up to this many samples are searched from every start.
+_MULTI_START_SAMPLES = 256
+# Swaps: pair matrices up to this size are searched in full; beyond it, each heavy sample
+# meets the partner samples nearest in cost to the ideal, this many on each side.
+_FULL_SWAP_PAIRS = 4096
+_SWAP_NEIGHBOURS = 4
+# Makespan search stops once the most loaded rank is this close to the lower bound.
+_NEAR_OPTIMAL = 2e-4
+# Cap on improvement attempts (each costs a few dozen small array operations).
+_MAX_BUDGET = 400
+# Heavy-side samples considered by the one-for-many exchange (most expensive first).
+_EXCHANGE_CANDIDATES = 8
+
+
+class RefineAlgorithm:
+    """Best of source, LPT and bin-level LPT, then capacity-aware local search (the default).
+
+    ``max_iterations`` bounds the number of improvement attempts; ``None`` uses 256 for tiny
+    problems and ``min(16 + num_bins // 8, 400)`` otherwise. See the module documentation for
+    the method and its guarantees: its objective is never above that of the source layout or
+    of :class:`LPTAlgorithm`.
+    """
+
+    name = "refine"
+    algorithm_id = "refine-v1"
+
+    def __init__(self, *, max_iterations: int | None = None) -> None:
+        self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
+
+    def __repr__(self) -> str:
+        return f"RefineAlgorithm(max_iterations={self.max_iterations!r})"
+
+    def assign(self, problem: BalanceProblem) -> list[list[int]] | None:
+        """The refined layout, or ``None`` when nothing beats the source layout."""
+        from evenflow.engine._algorithms import lpt_assign
+
+        source = [list(b) for b in problem.source_bins]
+        if problem.num_ranks < 2:
+            return None
+        lpt = lpt_assign(problem)
+        starts = [source]
+        if lpt is not None:
+            starts.append(lpt)
+        if problem.bins_per_rank > 1:
+            starts.append(_deal_bins(problem, source))
+        scores = [problem.score(s) for s in starts]
+        budget = _default_budget(problem) if self.max_iterations is None else self.max_iterations
+        if problem.num_samples <= _MULTI_START_SAMPLES:
+            searched = [_Search(problem, s).run(budget) for s in starts]
+        else:
+            best = min(range(len(starts)), key=scores.__getitem__)
+            searched = [_Search(problem, starts[best]).run(budget)]
+        candidates = [*searched, *starts[1:]]
+        best_layout: list[list[int]] | None = None
+        best_score = scores[0]
+        for layout in candidates:
+            if not _budgets_hold(problem, layout):
+                continue  # rounding in incremental budget sums; the exact replay decides
+            score = problem.score(layout)
+            if score < best_score:
+                best_layout, best_score = layout, score
+        return best_layout
+
+
+def _default_budget(problem: BalanceProblem) -> int:
+    """Improvement attempts allowed: grows with the group, capped to bound planning time."""
+    if problem.num_samples <= _MULTI_START_SAMPLES:
+        return 256  # tiny problems: iterations cost microseconds, search to convergence
+    return min(16 + problem.num_bins // 8, _MAX_BUDGET)
+
+
+def _deal_bins(problem: BalanceProblem, bins: list[list[int]]) -> list[list[int]]:
+    """Whole bins dealt heaviest first to the least-loaded rank that still lacks a bin."""
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+    bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
+    bin_costs = np.bincount(bin_ids, weights=problem.costs[flat], minlength=len(bins))
+    order = np.lexsort((np.arange(len(bins)), -bin_costs)).tolist()
+    per_rank = problem.bins_per_rank
+    heap = [(0.0, r) for r in range(problem.num_ranks)]
+    held: list[list[list[int]]] = [[] for _ in range(problem.num_ranks)]
+    for b in order:
+        load, r = heapq.heappop(heap)
+        held[r].append(bins[b])
+        if len(held[r]) < per_rank:
+            heapq.heappush(heap, (load + float(bin_costs[b]), r))
+    return [list(b) for rank_bins in held for b in rank_bins]
+
+
+def _budgets_hold(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> bool:
+    from evenflow.engine._algorithms import first_infeasible_bin
+
+    if not problem.constraints.budgets:
+        return True
+    return first_infeasible_bin(problem, bins) < 0
+
+
+class _Search:
+    """Mutable layout state plus the improvement families (see the module docstring)."""
+
+    def __init__(self, problem: BalanceProblem, bins: list[list[int]]) -> None:
+        self.p = problem
+        self.per_rank = problem.bins_per_rank
+        self.seq_len = problem.constraints.seq_len
+        self.cost = problem.costs
+        self.tok = problem.tokens
+        self.bud = problem.budget_costs
+        self.limits = np.array(list(problem.constraints.budgets.values()), dtype=np.float64)
+        self.has_budgets = self.limits.size > 0
+        self.members = [list(b) for b in bins]
+        nb = len(bins)
+        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=nb)
+        flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+        bin_ids = np.repeat(np.arange(nb, dtype=np.int64), sizes)
+        self.bin_of = np.empty(problem.num_samples, dtype=np.int64)
+        self.bin_of[flat] = bin_ids
+        self.bin_cnt = sizes
+        self.bin_tok = np.bincount(bin_ids, weights=self.tok[flat], minlength=nb).astype(np.int64)
+        self.bin_cost = np.bincount(bin_ids, weights=self.cost[flat], minlength=nb)
+        self.bin_bud = np.zeros((nb, self.limits.size), dtype=np.float64)
+        for k in range(self.limits.size):
+            self.bin_bud[:, k] = np.bincount(bin_ids, weights=self.bud[flat, k], minlength=nb)
+        self.load = self.bin_cost.reshape(problem.num_ranks, self.per_rank).sum(axis=1)
+        self.sumsq_mode = problem.objective is balance
+        self.slots = np.arange(self.per_rank, dtype=np.int64)
+
+    # ------------------------------------------------------------------ driver
+
+    def run(self, budget: int) -> list[list[int]]:
+        num_ranks = self.p.num_ranks
+        stuck = np.zeros(num_ranks, dtype=bool)
+        masked = np.empty(num_ranks, dtype=np.float64)
+        # No layout beats the larger of the mean rank load and the costliest sample; within
+        # _NEAR_OPTIMAL of it the remaining gain is not worth the planning time.
+        bound = max(float(self.load.sum()) / num_ranks, float(self.cost.max(initial=0.0)))
+        good_enough = bound * (1.0 + _NEAR_OPTIMAL)
+        for _ in range(budget):
+            top = int(np.argmax(self.load))
+            if not self.sumsq_mode and (stuck[top] or self.load[top] <= good_enough):
+                break  # the most loaded rank admits no improving change, or needs none
+            np.copyto(masked, self.load)
+            masked[stuck] = -np.inf
+            a = int(np.argmax(masked))
+            if stuck[a]:
+                break
+            partner = self._improve(a)
+            if partner < 0:
+                stuck[a] = True
+            else:
+                stuck[a] = stuck[partner] = False
+        return self.members
+
+    def _improve(self, a: int) -> int:
+        """Apply the best improving change between rank ``a`` and a lighter rank."""
+        load = self.load
+        top = float(load[a])
+        tol = 1e-12 * abs(top) + 1e-300
+        count = load.size
+        reach = _NEAR_TARGETS + (0 if self.sumsq_mode else _WIDE_TARGETS)
+        # The lightest ``reach`` ranks, found in linear time.
+        pool = np.argpartition(load, reach)[:reach] if count - 1 > reach else np.arange(count)
+        pool = pool[load[pool] < top - tol]
+        if pool.size == 0:
+            return -1
+        order = pool[np.lexsort((pool, load[pool]))]
+        heavy = self._rank_samples(a)
+        near = order[:_NEAR_TARGETS]
+        for family in (self._cheap, self._swap, self._exchange):
+            found = family(a, heavy, near, tol)
+            if found is not None:
+                return found()
+        if order.size > _NEAR_TARGETS:
+            # Before giving up on ``a``: the cheap family against a wider set of ranks.
+            found = self._cheap(a, heavy, order[_NEAR_TARGETS:], tol)
+            if found is not None:
+                return found()
+        return -1
+
+    def _rank_samples(self, r: int) -> np.ndarray:
+        per = self.per_rank
+        members = self.members
+        if per == 1:
+            return np.array(members[r], dtype=np.int64)
+        return np.array(
+            [i for b in range(r * per, (r + 1) * per) for i in members[b]], dtype=np.int64
+        )
+
+    def _budget_ok(self, new_sums: np.ndarray) -> np.ndarray:
+        """Rows of ``new_sums`` (last axis = budgets) within every budget."""
+        fits: np.ndarray = np.all(new_sums <= self.limits, axis=-1)
+        return fits
+
+    # ------------------------------------------------------------------ families
+    # Each family returns None (nothing improving) or a closure that applies its best
+    # candidate and returns the partner rank. A candidate moving net cost ``d`` to rank ``b``
+    # scores max(load[a] - d, load[b] + d), the larger of the two new loads; the smallest
+    # score wins, ties to the first candidate in index order.
+
+    def _cheap(self, a: int, heavy: np.ndarray, targets: np.ndarray, tol: float) -> _Apply | None:
+        """Move one sample to a bin with room (making room first if needed), or swap bins."""
+        per = self.per_rank
+        top = float(self.load[a])
+        ybins = (targets[:, None] * per + self.slots).ravel()
+        yload = self.load[ybins // per]
+        gap = top - yload
+        best_score = np.inf
+        best: _Apply | None = None
+
+        c = self.cost[heavy]
+        movable = (self.bin_cnt[self.bin_of[heavy]] >= 2) & (c > tol)
+        if movable.any():
+            hi = heavy[movable]
+            ch = c[movable]
+            th = self.tok[hi]
+            room = self.seq_len - self.bin_tok[ybins]
+            ok = (th[:, None] <= room) & (ch[:, None] < gap - tol)
+            if self.has_budgets:
+                ok &= self._budget_ok(self.bin_bud[ybins][None, :, :] + self.bud[hi][:, None, :])
+            if ok.any():
+                score = np.maximum(top - ch[:, None], (yload + ch[:, None]))
+                score[~ok] = np.inf
+                flat = int(np.argmin(score))
+                best_score = float(score.flat[flat])
+                i = int(hi[flat // ybins.size])
+                y = int(ybins[flat % ybins.size])
+                best = _Apply(self._apply_move, i, y)
+            elif per > 1 and not self.has_budgets:
+                best, best_score = self._move_with_room(hi, ch, th, targets=targets, tol=tol)
+
+        xbins = a * per + self.slots
+        delta = self.bin_cost[xbins][:, None] - self.bin_cost[ybins]
+        ok = (delta > tol) & (delta < gap - tol)
+        if ok.any():
+            score = np.maximum(top - delta, yload + delta)
+            score[~ok] = np.inf
+            flat = int(np.argmin(score))
+            if float(score.flat[flat]) < best_score:
+                xb = int(xbins[flat // ybins.size])
+                yb = int(ybins[flat % ybins.size])
+                best = _Apply(self._apply_bin_swap, xb, yb)
+        return best
+
+    def _move_with_room(
+        self, hi: np.ndarray, ch: np.ndarray, th: np.ndarray, *, targets: np.ndarray, tol: float
+    ) -> tuple[_Apply | None, float]:
+        """Move a sample to rank ``b`` after shifting one of b's samples to b's roomiest bin.
+
+        Bins of a rank are interchangeable for its cost, so when no single bin has room but
+        the rank as a whole does, one intra-rank shift (cost-neutral) makes the move possible.
+        """
+        per = self.per_rank
+        top = float(self.load[int(self.bin_of[hi[0]]) // per])
+        light = np.concatenate([self._rank_samples(int(r)) for r in targets])
+        yk = self.bin_of[light]
+        # Position of each sample's rank in ``targets`` (searchsorted on a sorted copy).
+        order = np.argsort(targets, kind="stable")
+        slot = order[np.searchsorted(targets[order], yk // per)]
+        rooms = (self.seq_len - self.bin_tok[(targets[:, None] * per + self.slots)]).astype(
+            np.int64
+        )
+        first = np.argmax(rooms, axis=1)
+        masked = rooms.copy()
+        masked[np.arange(targets.size), first] = np.iinfo(np.int64).min
+        second = np.argmax(masked, axis=1)
+        own = yk % per
+        dest = np.where(own == first[slot], second[slot], first[slot])
+        dest_room = rooms[slot, dest]
+        tk = self.tok[light]
+        shiftable = (tk <= dest_room) & (self.bin_cnt[yk] >= 2)
+        if not shiftable.any():
+            return None, np.inf
+        freed = np.where(shiftable, rooms[slot, own] + tk, -1)
+        # Per target rank, the shift that frees the most room (first index on ties).
+        by_rank = np.lexsort((np.arange(light.size), -freed, slot))
+        firsts = by_rank[np.r_[True, slot[by_rank][1:] != slot[by_rank][:-1]]]
+        best_k = np.full(targets.size, -1, dtype=np.int64)
+        best_k[slot[firsts]] = firsts
+        best_freed = np.where(best_k >= 0, freed[np.maximum(best_k, 0)], -1)
+        tload = self.load[targets]
+        ok = (th[:, None] <= best_freed) & (ch[:, None] < (top - tload) - tol)
+        if not ok.any():
+            return None, np.inf
+        score = np.maximum(top - ch[:, None], tload + ch[:, None])
+        score[~ok] = np.inf
+        flat = int(np.argmin(score))
+        row, col = divmod(flat, targets.size)
+        k = int(best_k[col])
+        shift_to = int(targets[col]) * per + int(dest[k])
+        apply = _Apply(self._apply_shift_move, int(hi[row]), int(light[k]), shift_to)
+        return apply, float(score.flat[flat])
+
+    def _swap(self, a: int, heavy: np.ndarray, targets: np.ndarray, tol: float) -> _Apply | None:
+        """Swap one sample of ``a`` with one sample of a lighter rank.
+
+        On larger ranks only the ``2 * _SWAP_NEIGHBOURS`` samples of each partner rank whose
+        cost is nearest to the ideal ``c_i - gap / 2`` are examined for each heavy sample
+        ``i`` (the pair matrix would otherwise dominate the iteration).
+        """
+        per = self.per_rank
+        top = float(self.load[a])
+        parts = [self._rank_samples(int(r)) for r in targets]
+        light = np.concatenate(parts)
+        ch = self.cost[heavy]
+        cl = self.cost[light]
+        # Only pairs with 0 < c_i - c_j can improve: drop heavy samples cheaper than every
+        # light one before building the pair matrix.
+        keep = ch > cl.min() + tol
+        if not keep.any():
+            return None
+        heavy = heavy[keep]
+        ch = ch[keep]
+        if heavy.size * light.size <= _FULL_SWAP_PAIRS:
+            cand = np.broadcast_to(np.arange(light.size), (heavy.size, light.size))
+        else:
+            sizes = np.array([part.size for part in parts], dtype=np.int64)
+            slot = np.repeat(np.arange(targets.size), sizes)
+            order = np.lexsort((light, cl, slot))
+            light, cl, slot = light[order], cl[order], slot[order]
+            span = 2.0 * float(max(cl.max(), ch.max())) + 1.0
+            key = slot * span + cl
+            begin = np.cumsum(sizes) - sizes
+            half_gap = 0.5 * (top - self.load[targets])
+            query = np.arange(targets.size) * span + np.maximum(ch[:, None] - half_gap, 0.0)
+            pos = np.searchsorted(key, query)
+            window = np.arange(-_SWAP_NEIGHBOURS, _SWAP_NEIGHBOURS)
+            cand = np.clip(
+                pos[:, :, None] + window,
+                begin[None, :, None],
+                (begin + sizes - 1)[None, :, None],
+            ).reshape(heavy.size, -1)
+        cj = cl[cand]
+        yl = self.bin_of[light][cand]
+        lload = self.load[yl // per]
+        delta = ch[:, None] - cj
+        ok = (delta > tol) & (delta < (top - lload) - tol)
+        if not ok.any():
+            return None
+        xh = self.bin_of[heavy]
+        th = self.tok[heavy]
+        tl = self.tok[light][cand]
+        seq_len = self.seq_len
+        room_x = seq_len - self.bin_tok[xh] + th  # tokens bin x can take after losing i
+        room_y = seq_len - self.bin_tok[yl] + tl
+        ok &= (tl <= room_x[:, None]) | (self.bin_cnt[xh] == 1)[:, None]
+        ok &= (th[:, None] <= room_y) | (self.bin_cnt[yl] == 1)
+        if self.has_budgets and ok.any():
+            bh = self.bud[heavy]
+            bl = self.bud[light][cand]
+            ok &= (
+                self._budget_ok((self.bin_bud[xh] - bh)[:, None, :] + bl)
+                | (self.bin_cnt[xh] == 1)[:, None]
+            )
+            ok &= self._budget_ok(self.bin_bud[yl] - bl + bh[:, None, :]) | (self.bin_cnt[yl] == 1)
+        if not ok.any():
+            return None
+        score = np.maximum(top - delta, lload + delta)
+        score[~ok] = np.inf
+        flat = int(np.argmin(score))
+        row, col = divmod(flat, cand.shape[1])
+        i = int(heavy[row])
+        j = int(light[cand[row, col]])
+        return _Apply(self._apply_swap, i, j)
+
+    def _exchange(
+        self, a: int, heavy: np.ndarray, targets: np.ndarray, tol: float
+    ) -> _Apply | None:
+        """One sample of ``a`` for a run of two or more samples of one lighter bin."""
+        per = self.per_rank
+        top = float(self.load[a])
+        c_all = self.cost
+        ch = c_all[heavy]
+        if heavy.size > _EXCHANGE_CANDIDATES:
+            pick = np.lexsort((heavy, -ch))[:_EXCHANGE_CANDIDATES]
+            heavy = heavy[pick]
+            ch = ch[pick]
+        ybins = (targets[:, None] * per + self.slots).ravel()
+        ybins = ybins[self.bin_cnt[ybins] >= 2]
+        if ybins.size == 0:
+            return None
+        members = self.members
+        light = np.array([i for y in ybins.tolist() for i in members[y]], dtype=np.int64)
+        yl = self.bin_of[light]
+        tl = self.tok[light]
+        order = np.lexsort((light, tl, yl))
+        light, yl, tl = light[order], yl[order], tl[order]
+        cl = c_all[light]
+        m = light.size
+        # Prefix sums over the flattened, per-bin token-sorted runs; a run [s, e) must stay
+        # inside the bin of s, which ends at ``stop[s]``.
+        tp = np.zeros(m + 1, dtype=np.int64)
+        np.cumsum(tl, out=tp[1:])
+        cp = np.zeros(m + 1, dtype=np.float64)
+        np.cumsum(cl, out=cp[1:])
+        new_bin = np.ones(m, dtype=bool)
+        new_bin[1:] = yl[1:] != yl[:-1]
+        first = np.flatnonzero(new_bin)
+        ends_of_bins = np.append(first[1:], m)
+        stop = np.repeat(ends_of_bins, np.diff(np.append(first, m)))
+        starts = np.arange(m)
+        xh = self.bin_of[heavy]
+        th = self.tok[heavy]
+        seq_len = self.seq_len
+        # Run tokens must lie in [lo, hi]: bin y keeps room for i, bin x for the run.
+        lo = th[:, None] - (seq_len - self.bin_tok[yl])
+        hi = np.where(self.bin_cnt[xh] == 1, seq_len, seq_len - self.bin_tok[xh] + th)[:, None]
+        base = tp[:-1]
+        gap = top - self.load[yl // per]
+        best_score = np.inf
+        best: tuple[int, int, int] | None = None
+        e_min = np.searchsorted(tp, base + np.maximum(lo, 1), side="left")
+        e_max = np.searchsorted(tp, base + hi, side="right") - 1
+        for candidate_ends in (e_min, np.minimum(e_max, stop)):
+            ends = np.minimum(candidate_ends, m)
+            run_tok = tp[ends] - base
+            ok = (ends >= starts + 2) & (ends <= stop)
+            ok &= (run_tok >= lo) & (run_tok <= hi)
+            delta = ch[:, None] - (cp[ends] - cp[:-1])
+            ok &= (delta > tol) & (delta < gap - tol)
+            if not ok.any():
+                continue
+            if self.has_budgets:
+                ok &= self._exchange_budgets(heavy, light, ends, ok)
+                if not ok.any():
+                    continue
+            score = np.maximum(top - delta, top - gap + delta)
+            score[~ok] = np.inf
+            flat = int(np.argmin(score))
+            if float(score.flat[flat]) < best_score:
+                best_score = float(score.flat[flat])
+                row, s = divmod(flat, m)
+                best = (row, s, int(ends[row, s]))
+        if best is None:
+            return None
+        row, s, e = best
+        return _Apply(self._apply_exchange, int(heavy[row]), light[s:e].tolist())
+
+    def _exchange_budgets(
+        self, heavy: np.ndarray, light: np.ndarray, ends: np.ndarray, ok: np.ndarray
+    ) -> np.ndarray:
+        rows, cols = np.nonzero(ok)
+        run = np.zeros((light.size + 1, self.limits.size), dtype=np.float64)
+        np.cumsum(self.bud[light], axis=0, out=run[1:])
+        run_bud = run[ends[rows, cols]] - run[cols]
+        bh = self.bud[heavy[rows]]
+        xh = self.bin_of[heavy[rows]]
+        yl = self.bin_of[light[cols]]
+        fine = self._budget_ok(self.bin_bud[xh] - bh + run_bud)
+        fine &= self._budget_ok(self.bin_bud[yl] - run_bud + bh)
+        out = np.zeros_like(ok)
+        out[rows[fine], cols[fine]] = True
+        return out
+
+    # ------------------------------------------------------------------ updates
+
+    def _relocate(self, i: int, src: int, dst: int) -> None:
+        self.members[src].remove(i)
+        self.members[dst].append(i)
+        self.bin_of[i] = dst
+        t = int(self.tok[i])
+        c = float(self.cost[i])
+        self.bin_tok[src] -= t
+        self.bin_tok[dst] += t
+        self.bin_cnt[src] -= 1
+        self.bin_cnt[dst] += 1
+        self.bin_cost[src] -= c
+        self.bin_cost[dst] += c
+        per = self.per_rank
+        self.load[src // per] -= c
+        self.load[dst // per] += c
+
+    def _refresh_budgets(self, *bins: int) -> None:
+        if self.has_budgets:
+            for b in bins:
+                self.bin_bud[b] = self.bud[self.members[b]].sum(axis=0)
+
+    def _apply_move(self, i: int, y: int) -> int:
+        x = int(self.bin_of[i])
+        self._relocate(i, x, y)
+        self._refresh_budgets(x, y)
+        return y // self.per_rank
+
+    def _apply_shift_move(self, i: int, k: int, shift_to: int) -> int:
+        y = int(self.bin_of[k])
+        self._relocate(k, y, shift_to)
+        return self._apply_move(i, y)
+
+    def _apply_swap(self, i: int, j: int) -> int:
+        x = int(self.bin_of[i])
+        y = int(self.bin_of[j])
+        self._relocate(i, x, y)
+        self._relocate(j, y, x)
+        self._refresh_budgets(x, y)
+        return y // self.per_rank
+
+    def _apply_exchange(self, i: int, run: list[int]) -> int:
+        x = int(self.bin_of[i])
+        y = int(self.bin_of[run[0]])
+        self._relocate(i, x, y)
+        for j in run:
+            self._relocate(j, y, x)
+        self._refresh_budgets(x, y)
+        return y // self.per_rank
+
+    def _apply_bin_swap(self, x: int, y: int) -> int:
+        per = self.per_rank
+        members = self.members
+        members[x], members[y] = members[y], members[x]
+        for b in (x, y):
+            self.bin_of[members[b]] = b
+        for array in (self.bin_tok, self.bin_cnt, self.bin_cost, self.bin_bud):
+            array[[x, y]] = array[[y, x]]
+        moved = float(self.bin_cost[y] - self.bin_cost[x])  # cost that went from x's rank to y's
+        self.load[x // per] -= moved
+        self.load[y // per] += moved
+        return y // per
+
+
+class _Apply:
+    """A deferred change: the family's best candidate, applied only if chosen."""
+
+    __slots__ = ("args", "fn")
+
+    def __init__(self, fn: Callable[..., int], *args: object) -> None:
+        self.fn = fn
+        self.args = args
+
+    def __call__(self) -> int:
+        return self.fn(*self.args)

@@ -1,0 +1,387 @@
+"""Objectives, the balancing problem, the reference greedy (LPT) and the default algorithm."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from evenflow.engine._algorithms import (
+    BalanceProblem,
+    LPTAlgorithm,
+    RefineAlgorithm,
+    first_infeasible_bin,
+    lpt_assign,
+    resolve_algorithm,
+)
+from evenflow.engine._model import PackingConstraints, SampleKey
+from evenflow.engine._objectives import balance, makespan, objective_name, resolve_objective
+from evenflow.engine.errors import ConfigError
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def make_problem(
+    bins: list[list[int]],
+    *,
+    num_ranks: int,
+    seq_len: int,
+    costs: list[float] | None = None,
+    budgets: dict[str, float] | None = None,
+    budget_costs: list[list[float]] | None = None,
+    policy: str = "error",
+    objective: str = "makespan",
+) -> BalanceProblem:
+    """A problem whose source bins hold samples with the given token counts, in order."""
+    tokens = [t for b in bins for t in b]
+    n = len(tokens)
+    source: list[tuple[int, ...]] = []
+    start = 0
+    for b in bins:
+        source.append(tuple(range(start, start + len(b))))
+        start += len(b)
+    constraints = PackingConstraints(seq_len, policy, budgets)  # type: ignore[arg-type]
+    return BalanceProblem(
+        keys=tuple(SampleKey(0, 0, i) for i in range(n)),
+        costs=np.array(costs if costs is not None else [float(t * t) for t in tokens]),
+        tokens=np.array(tokens, dtype=np.int64),
+        budget_costs=np.array(budget_costs if budget_costs is not None else [[]] * n),
+        source_bins=tuple(source),
+        num_ranks=num_ranks,
+        bins_per_rank=len(bins) // num_ranks,
+        constraints=constraints,
+        objective=resolve_objective(objective),
+    )
+
+
+def reference_lpt(problem: BalanceProblem) -> list[list[int]] | None:
+    """The reference rule written out directly: O(n * bins), no heaps, for comparison."""
+    per = problem.bins_per_rank
+    num_bins = problem.num_bins
+    seq_len = problem.constraints.seq_len
+    limits = list(problem.constraints.budgets.values())
+    order = sorted(
+        range(problem.num_samples),
+        key=lambda i: (-problem.costs[i], -problem.tokens[i], problem.keys[i]),
+    )
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    fill = [0] * num_bins
+    spent = [[0.0] * len(limits) for _ in range(num_bins)]
+    load = [0.0] * problem.num_ranks
+    rank_tokens = [0] * problem.num_ranks
+    for position, i in enumerate(order):
+        t = int(problem.tokens[i])
+        best: tuple[tuple[float, int, int, int, int], int] | None = None
+        for b in range(num_bins):
+            if position < num_bins and bins[b]:
+                continue
+            if t > seq_len:
+                if fill[b] != 0 or problem.constraints.oversized_policy != "single":
+                    continue
+            elif fill[b] + t > seq_len:
+                continue
+            row = problem.budget_costs[i]
+            if any(spent[b][k] + float(row[k]) > limits[k] for k in range(len(limits))):
+                continue
+            r = b // per
+            key = (load[r], seq_len - min(seq_len, fill[b] + t), rank_tokens[r], r, b % per)
+            if best is None or key < best[0]:
+                best = (key, b)
+        if best is None:
+            return None
+        b = best[1]
+        r = b // per
+        bins[b].append(i)
+        fill[b] += t
+        for k in range(len(limits)):
+            spent[b][k] += float(problem.budget_costs[i][k])
+        load[r] += float(problem.costs[i])
+        rank_tokens[r] += min(t, seq_len)
+    return bins
+
+
+def assert_valid_layout(problem: BalanceProblem, bins: list[list[int]]) -> None:
+    assert len(bins) == problem.num_bins
+    assert all(len(b) > 0 for b in bins)
+    assert sorted(i for b in bins for i in b) == list(range(problem.num_samples))
+    assert first_infeasible_bin(problem, bins) == -1
+    for b in bins:  # the exact replay agrees
+        tokens = int(problem.tokens[b].sum())
+        if tokens > problem.constraints.seq_len:
+            assert len(b) == 1
+            assert problem.constraints.oversized_policy == "single"
+
+
+@st.composite
+def problems(draw: st.DrawFn, *, full: bool = False, with_budgets: bool = False) -> BalanceProblem:
+    """Random feasible problems; ``full`` packs source bins close to seq_len."""
+    num_ranks = draw(st.integers(2, 5))
+    per = draw(st.integers(1, 3))
+    seq_len = draw(st.integers(8, 40))
+    bins: list[list[int]] = []
+    for _ in range(num_ranks * per):
+        room = seq_len
+        items: list[int] = []
+        count = draw(st.integers(1, 5))
+        for _ in range(count):
+            if room <= 0:
+                break
+            low = max(1, room - 2) if full and len(items) == count - 1 else 1
+            t = draw(st.integers(low, room))
+            items.append(t)
+            room -= t
+        bins.append(items)
+    n = sum(len(b) for b in bins)
+    linear = draw(st.sampled_from([0.0, 1.0, 30.0]))
+    tokens = [t for b in bins for t in b]
+    costs = [linear * t + t * t for t in tokens]
+    budgets = None
+    budget_costs = None
+    if with_budgets:
+        # Budgets loose enough for the source (it must be feasible): each bin's sum, padded.
+        patches = [draw(st.integers(0, 3)) for _ in range(n)]
+        sums = []
+        start = 0
+        for b in bins:
+            sums.append(sum(patches[start : start + len(b)]))
+            start += len(b)
+        budgets = {"patches": float(max(sums) + draw(st.integers(0, 2)))}
+        budget_costs = [[float(p)] for p in patches]
+    objective = draw(st.sampled_from(["makespan", "balance"]))
+    return make_problem(
+        bins,
+        num_ranks=num_ranks,
+        seq_len=seq_len,
+        costs=costs,
+        budgets=budgets,
+        budget_costs=budget_costs,
+        objective=objective,
+    )
+
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------- objectives
+
+
+def test_makespan_is_the_largest_rank_cost() -> None:
+    assert makespan(np.array([3.0, 9.0, 1.0])) == 9.0
+    assert makespan(np.array([])) == 0.0
+
+
+def test_balance_is_the_squared_coefficient_of_variation() -> None:
+    costs = np.array([1.0, 3.0])
+    mean = 2.0
+    expected = ((1 / mean - 1) ** 2 + (3 / mean - 1) ** 2) / 2
+    assert balance(costs) == pytest.approx(expected)
+    assert balance(np.array([5.0, 5.0, 5.0])) == 0.0
+    assert balance(np.zeros(4)) == 0.0
+    assert balance(np.array([])) == 0.0
+
+
+def test_balance_does_not_overflow_on_flops_sized_costs() -> None:
+    value = balance(np.array([1e300, 3e300]))
+    assert math.isfinite(value)
+    assert value == pytest.approx(balance(np.array([1.0, 3.0])))
+
+
+def test_resolve_objective_lists_the_names() -> None:
+    assert resolve_objective("makespan") is makespan
+    assert objective_name(balance) == "balance"
+    with pytest.raises(ConfigError, match=r"objective must be one of 'makespan', 'balance'"):
+        resolve_objective("latency")
+
+
+# ---------------------------------------------------------------------------- problem
+
+
+def test_problem_arrays_are_read_only_and_shapes_checked() -> None:
+    problem = make_problem([[1, 2], [3]], num_ranks=2, seq_len=10)
+    with pytest.raises(ValueError, match="read-only"):
+        problem.costs[0] = 1.0
+    assert problem.rank_costs([[0, 1], [2]]).tolist() == [5.0, 9.0]
+    with pytest.raises(ConfigError, match=r"costs and \.tokens must have shape \(3,\)"):
+        BalanceProblem(
+            keys=problem.keys,
+            costs=np.zeros(2),
+            tokens=problem.tokens,
+            budget_costs=problem.budget_costs,
+            source_bins=problem.source_bins,
+            num_ranks=2,
+            bins_per_rank=1,
+            constraints=problem.constraints,
+        )
+    with pytest.raises(ConfigError, match="source_bins must hold num_ranks"):
+        BalanceProblem(
+            keys=problem.keys,
+            costs=problem.costs,
+            tokens=problem.tokens,
+            budget_costs=problem.budget_costs,
+            source_bins=problem.source_bins,
+            num_ranks=3,
+            bins_per_rank=1,
+            constraints=problem.constraints,
+        )
+
+
+def test_first_infeasible_bin_checks_tokens_budgets_and_oversized() -> None:
+    problem = make_problem(
+        [[4, 4], [3], [12]],
+        num_ranks=3,
+        seq_len=10,
+        budgets={"v": 2.0},
+        budget_costs=[[1.0], [1.0], [2.0], [0.0]],
+        policy="single",
+    )
+    assert first_infeasible_bin(problem, [[0, 1], [2], [3]]) == -1
+    assert first_infeasible_bin(problem, [[0], [1, 2], [3]]) == 1  # budget 3 > 2
+    assert first_infeasible_bin(problem, [[0], [2], [1, 3]]) == 2  # oversized not alone
+
+
+# ---------------------------------------------------------------------------- LPT
+
+
+@FAST
+@given(problems())
+def test_lpt_matches_the_reference_rule(problem: BalanceProblem) -> None:
+    assert lpt_assign(problem) == reference_lpt(problem)
+
+
+@FAST
+@given(problems(full=True, with_budgets=True))
+def test_lpt_matches_the_reference_rule_with_budgets(problem: BalanceProblem) -> None:
+    assert lpt_assign(problem) == reference_lpt(problem)
+
+
+def test_lpt_balances_18_2_into_10_10() -> None:
+    problem = make_problem([[9, 9], [1, 1]], num_ranks=2, seq_len=100, costs=[9, 9, 1, 1])
+    bins = LPTAlgorithm().assign(problem)
+    assert bins is not None
+    assert problem.rank_costs(bins).tolist() == [10.0, 10.0]
+
+
+def test_lpt_ties_on_load_prefer_the_best_fit() -> None:
+    # Equal rank loads: the bin left with less capacity wins even on a later rank.
+    problem = make_problem([[5], [2], [3], [1]], num_ranks=2, seq_len=8, costs=[4.0, 4.0, 4.0, 4.0])
+    assert lpt_assign(problem) == reference_lpt(problem)
+
+
+def test_lpt_dead_end_returns_none() -> None:
+    # One rank, two bins of 10: the two 5s (most expensive) open both bins, then the 6 fits
+    # nowhere although the source (5+5 | 6+4) is feasible.
+    problem = make_problem([[5, 5], [6, 4]], num_ranks=1, seq_len=10, costs=[10, 10, 1, 1])
+    assert lpt_assign(problem) is None
+    assert reference_lpt(problem) is None
+
+
+def test_lpt_oversized_sample_takes_an_empty_bin_under_single() -> None:
+    problem = make_problem([[12], [3, 3]], num_ranks=2, seq_len=10, policy="single")
+    bins = lpt_assign(problem)
+    assert bins is not None
+    assert [0] in bins
+    assert_valid_layout(problem, bins)
+
+
+# ---------------------------------------------------------------------------- resolve
+
+
+def test_resolve_algorithm_names_and_objects() -> None:
+    assert isinstance(resolve_algorithm("default"), RefineAlgorithm)
+    assert isinstance(resolve_algorithm("refine"), RefineAlgorithm)
+    assert isinstance(resolve_algorithm("lpt"), LPTAlgorithm)
+    custom = LPTAlgorithm()
+    assert resolve_algorithm(custom) is custom
+    with pytest.raises(ConfigError, match=r"'default', 'refine', 'lpt'.*but got 'greedy'"):
+        resolve_algorithm("greedy")
+    with pytest.raises(TypeError, match="assign"):
+        resolve_algorithm(42)
+
+
+def test_refine_rejects_a_bad_iteration_budget() -> None:
+    with pytest.raises(ConfigError, match="max_iterations"):
+        RefineAlgorithm(max_iterations=-1)
+
+
+# ---------------------------------------------------------------------------- refine
+
+
+def _score_or_source(problem: BalanceProblem, bins: list[list[int]] | None) -> float:
+    return problem.score(problem.source_bins if bins is None else bins)
+
+
+@FAST
+@given(problems())
+def test_refine_never_worse_than_source_or_lpt(problem: BalanceProblem) -> None:
+    bins = RefineAlgorithm().assign(problem)
+    if bins is not None:
+        assert_valid_layout(problem, bins)
+    lpt = lpt_assign(problem)
+    bound = min(problem.score(problem.source_bins), _score_or_source(problem, lpt))
+    assert _score_or_source(problem, bins) <= bound
+
+
+@FAST
+@given(problems(full=True, with_budgets=True))
+def test_refine_respects_budgets_on_nearly_full_bins(problem: BalanceProblem) -> None:
+    bins = RefineAlgorithm().assign(problem)
+    if bins is not None:
+        assert_valid_layout(problem, bins)
+    lpt = lpt_assign(problem)
+    bound = min(problem.score(problem.source_bins), _score_or_source(problem, lpt))
+    assert _score_or_source(problem, bins) <= bound
+
+
+def test_refine_improves_where_lpt_dead_ends() -> None:
+    # Full bins: rank 0 holds the long sample and two mid ones (150), rank 1 only short ones
+    # (40). LPT runs out of room for the last short sample; swapping whole bins still helps.
+    problem = make_problem(
+        [[10], [5, 5], [2, 2, 2, 2, 2], [2, 2, 2, 2, 2]],
+        num_ranks=2,
+        seq_len=10,
+    )
+    assert lpt_assign(problem) is None
+    bins = RefineAlgorithm().assign(problem)
+    assert bins is not None
+    assert_valid_layout(problem, bins)
+    assert problem.score(bins) < problem.score(problem.source_bins)
+
+
+def test_refine_keeps_oversized_samples_alone() -> None:
+    problem = make_problem([[14], [1, 1], [2, 2], [3, 3]], num_ranks=2, seq_len=10, policy="single")
+    bins = RefineAlgorithm().assign(problem)
+    layout = problem.source_bins if bins is None else bins
+    assert [0] in [list(b) for b in layout]
+    if bins is not None:
+        assert_valid_layout(problem, bins)
+
+
+def test_refine_is_deterministic_and_leaves_the_problem_alone() -> None:
+    rng = np.random.default_rng(3)
+    bins = [list(rng.integers(1, 9, size=4)) for _ in range(12)]
+    problem = make_problem([[int(t) for t in b] for b in bins], num_ranks=4, seq_len=40)
+    before = (problem.costs.copy(), problem.tokens.copy(), problem.source_bins)
+    first = RefineAlgorithm().assign(problem)
+    second = RefineAlgorithm().assign(problem)
+    assert first == second
+    assert np.array_equal(problem.costs, before[0])
+    assert np.array_equal(problem.tokens, before[1])
+    assert problem.source_bins == before[2]
+
+
+def test_refine_reaches_the_optimum_on_a_small_instance() -> None:
+    # 4 samples of cost 4, 3, 3, 2 over 2 ranks: the optimum is 6 (4+2 | 3+3).
+    problem = make_problem([[4, 3], [3, 2]], num_ranks=2, seq_len=100, costs=[4.0, 3.0, 3.0, 2.0])
+    bins = RefineAlgorithm().assign(problem)
+    assert bins is not None
+    assert problem.score(bins) == 6.0
+
+
+def test_refine_with_a_zero_budget_stays_at_the_best_start() -> None:
+    problem = make_problem([[9, 9], [1, 1]], num_ranks=2, seq_len=100, costs=[9, 9, 1, 1])
+    bins = RefineAlgorithm(max_iterations=0).assign(problem)
+    assert bins is not None
+    assert problem.score(bins) == 10.0  # the LPT start
