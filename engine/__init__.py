@@ -29,6 +29,10 @@ _LAZY: dict[str, str] = {
     "default_collate_fn": "evenflow.engine._pack",
     "Tracer": "evenflow.engine._tracing",
     "build_loader": "evenflow.engine._topology",
+    "DistributedLoader": "evenflow.engine._mp_broadcast",
+    "StepStats": "evenflow.engine._stats",
+    "NullTracer": "evenflow.engine._tracing",
+    "merge_chrome_traces": "evenflow.engine._tracing",
 }
 
 __all__ = [
@@ -38,9 +42,11 @@ __all__ = [
     "BinPlan",
     "ComponentCost",
     "CostModel",
+    "DistributedLoader",
     "FlopsCost",
     "LPTAlgorithm",
     "LoaderConfig",
+    "NullTracer",
     "OversizedPolicy",
     "PackingConstraints",
     "Plan",
@@ -49,12 +55,14 @@ __all__ = [
     "RefineAlgorithm",
     "SampleKey",
     "SampleMetadata",
+    "StepStats",
     "TokenCost",
     "Tracer",
     "build_loader",
     "default_collate_fn",
     "default_pack_fn",
     "errors",
+    "merge_chrome_traces",
 ]
 
 

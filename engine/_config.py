@@ -1,0 +1,121 @@
+"""``LoaderConfig``: the frozen, validated settings of a :class:`BalancedLoader`.
+
+Runtime objects (the transport, the device, callbacks) are constructor arguments of the loader,
+never config fields: a config is plain data that can be compared, hashed into a fingerprint and
+logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from evenflow.engine._model import OversizedPolicy, PackingConstraints
+from evenflow.engine._validate import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_number,
+    check_optional_int,
+)
+
+__all__ = ["LoaderConfig"]
+
+PlanningMode = Literal["replicated", "leader"]
+UnevenEnd = Literal["stop", "raise"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """Settings of one balanced loader. Every field is validated at construction.
+
+    Attributes:
+        seq_len: token capacity of one packed sequence (bin).
+        bins_per_rank: packed sequences (microbatches) per rank per step; every source step
+            must hold exactly this many non-empty bins.
+        prefetch_depth: steps prepared ahead of the one the caller holds. Step ``s`` is
+            delivered only after the metadata round of step ``s + 1`` has confirmed that every
+            rank finished ``s`` (fail-together), so at most ``prefetch_depth + 1`` undelivered
+            steps are held in memory.
+        min_balance_gain: a re-balanced layout is used only when it lowers the objective by
+            strictly more than this fraction (``0.0`` = any strict improvement).
+        objective: ``"makespan"`` (the slowest rank's cost) or ``"balance"`` (squared
+            coefficient of variation of rank costs).
+        balance: ``False`` keeps every source layout (same pipeline, no movement); useful as a
+            baseline.
+        oversized_policy: ``"error"`` rejects samples longer than ``seq_len``; ``"single"`` lets
+            one occupy a bin alone.
+        packing_budgets: named per-bin hard limits matched against
+            ``SampleMetadata.packing_costs``.
+        planning: ``"replicated"`` plans on every rank (no broadcast; plan digests are
+            cross-checked) or ``"leader"`` plans on group rank 0 and broadcasts the layout.
+        timeout: seconds a collective may wait for peers (used when the loader creates its own
+            transport, and as the bound on every internal wait).
+        max_steps: stop after this many steps (``None`` = until the source ends).
+        on_uneven_end: when one rank's source ends before the others', ``"stop"`` ends
+            iteration on every rank at the same step; ``"raise"`` raises
+            ``SourceExhaustedError`` on every rank.
+        log_stats: log one line of balance statistics per step on group rank 0 (logger
+            ``"evenflow"``, INFO).
+    """
+
+    seq_len: int
+    bins_per_rank: int
+    prefetch_depth: int = 2
+    min_balance_gain: float = 0.0
+    objective: Literal["makespan", "balance"] = "makespan"
+    balance: bool = True
+    oversized_policy: OversizedPolicy = "error"
+    packing_budgets: Mapping[str, float] | None = field(default=None, hash=False)
+    planning: PlanningMode = "replicated"
+    timeout: float = 300.0
+    max_steps: int | None = None
+    on_uneven_end: UnevenEnd = "stop"
+    log_stats: bool = True
+
+    def __post_init__(self) -> None:
+        check_int("LoaderConfig.seq_len", self.seq_len, minimum=1)
+        check_int("LoaderConfig.bins_per_rank", self.bins_per_rank, minimum=1)
+        check_int("LoaderConfig.prefetch_depth", self.prefetch_depth, minimum=1)
+        gain = check_number(
+            "LoaderConfig.min_balance_gain",
+            self.min_balance_gain,
+            minimum=0.0,
+            maximum=1.0,
+            strict_maximum=True,
+        )
+        object.__setattr__(self, "min_balance_gain", gain)
+        check_choice("LoaderConfig.objective", self.objective, ("makespan", "balance"))
+        check_bool("LoaderConfig.balance", self.balance)
+        check_choice("LoaderConfig.planning", self.planning, ("replicated", "leader"))
+        timeout = check_number(
+            "LoaderConfig.timeout", self.timeout, minimum=0.0, strict_minimum=True
+        )
+        object.__setattr__(self, "timeout", timeout)
+        check_optional_int("LoaderConfig.max_steps", self.max_steps, minimum=1)
+        check_choice("LoaderConfig.on_uneven_end", self.on_uneven_end, ("stop", "raise"))
+        check_bool("LoaderConfig.log_stats", self.log_stats)
+        # Validates seq_len, oversized_policy and packing_budgets with one set of messages.
+        constraints = PackingConstraints(
+            seq_len=self.seq_len,
+            oversized_policy=self.oversized_policy,
+            packing_budgets=self.packing_budgets,
+        )
+        object.__setattr__(self, "packing_budgets", dict(constraints.budgets) or None)
+
+    @property
+    def constraints(self) -> PackingConstraints:
+        return PackingConstraints(
+            seq_len=self.seq_len,
+            oversized_policy=self.oversized_policy,
+            packing_budgets=self.packing_budgets,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data form (for fingerprints, checkpoints and logs)."""
+        data = dataclasses.asdict(self)
+        if data["packing_budgets"] is not None:
+            data["packing_budgets"] = dict(sorted(data["packing_budgets"].items()))
+        return data

@@ -1,0 +1,643 @@
+"""The staged pipeline: tasks connected by bounded channels, one step at a time per stage.
+
+::
+
+    read ──► gather ──► plan ──► exchange ──► pack ──► (out) ──► caller
+    (source   (collective) (CPU,   (collective,  (CPU: pack,
+     executor)             replicated only if     collate,
+                           or leader) samples     H2D staging)
+                                      move)
+
+Each stage is one coroutine driven by :meth:`Pipeline._stage`; it receives a
+:class:`StepState`, does its work inside a trace span, and forwards the state. A failure inside a
+stage is recorded on the step (``state.fail``) and the step keeps flowing, so the collectives of
+later stages still take their turns and the failure is announced to the group in the next
+metadata round — the fail-together channel. A failure of the group itself (timeout, dead peer)
+ends the pipeline: the sequencer fails and every waiting stage and caller is released.
+
+Step ``s`` is handed to the caller only when the metadata round of ``s + 1`` (or the final
+``end`` round) has confirmed that every rank finished ``s``. At most ``prefetch_depth + 1``
+steps are read and not yet delivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from evenflow.engine._config import LoaderConfig
+from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, plan_digest
+from evenflow.engine._sequencer import Sequencer
+from evenflow.engine._stats import step_stats
+from evenflow.engine._step import (
+    StepState,
+    build_message,
+    check_digests,
+    error_info,
+    peer_samples,
+    remote_error,
+)
+from evenflow.engine.errors import (
+    ConfigError,
+    GroupMismatchError,
+    PlanningError,
+    RemoteStageError,
+    ResumeError,
+    SourceExhaustedError,
+)
+from evenflow.transports import Transport
+
+__all__ = ["Pipeline"]
+
+_ERROR_KEY = -1  # first item of a status key sent instead of payloads after a local failure
+
+
+class Pipeline:
+    """One pass over the source. Created and owned by :class:`BalancedLoader`."""
+
+    def __init__(
+        self,
+        *,
+        source: Any,
+        config: LoaderConfig,
+        transport: Transport,
+        planner: Any,
+        metadata_fn: Callable[[Any], Any],
+        pack_fn: Callable[[list[Any], int], Any],
+        collate_fn: Callable[[list[Any]], Any],
+        stager: Any,
+        tracer: Any,
+        first_step: int,
+        cpu_executor: concurrent.futures.Executor,
+        source_executor: concurrent.futures.Executor,
+        initial_iter: Iterator[Any] | None = None,
+    ) -> None:
+        self._source = source
+        self._config = config
+        self._transport = transport
+        self._planner = planner
+        self._metadata_fn = metadata_fn
+        self._pack_fn = pack_fn
+        self._collate_fn = collate_fn
+        self._stager = stager
+        self._tracer = tracer
+        self.first_step = first_step
+        self._cpu = cpu_executor
+        self._source_executor = source_executor
+        self._rank = transport.rank
+        self._global_ranks = transport.global_ranks
+        self._budget_names = tuple(sorted(config.constraints.budgets))
+        self._sequencer = Sequencer(first_step)
+        depth = config.prefetch_depth + 1
+        self._slots = asyncio.Semaphore(depth)
+        self._out_send, self._out_recv = anyio.create_memory_object_stream[StepState](depth)
+        self._iter: Iterator[Any] | AsyncIterator[Any] | None = initial_iter
+        self._prev: StepState | None = None
+        self._fatal: BaseException | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.gathered_step = first_step - 1
+        self.exchanged_step = first_step - 1
+        self.exchange_launched_step = first_step - 1
+        self._exchanging = first_step - 1
+        self._gather_done = False
+        self._progress = asyncio.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the supervisor task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="evenflow-pipeline")
+
+    async def _run(self) -> None:
+        read_s, read_r = anyio.create_memory_object_stream[StepState](1)
+        gath_s, gath_r = anyio.create_memory_object_stream[StepState](1)
+        plan_s, plan_r = anyio.create_memory_object_stream[StepState](1)
+        exch_s, exch_r = anyio.create_memory_object_stream[StepState](1)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._read_stage, read_s)
+                tg.start_soon(self._stage, "gather", read_r, gath_s, self._gather)
+                tg.start_soon(self._stage, "plan", gath_r, plan_s, self._plan)
+                tg.start_soon(self._stage, "exchange", plan_r, exch_s, self._exchange)
+                tg.start_soon(self._stage, "pack", exch_r, self._out_send, self._pack)
+        except BaseException as exc:  # a bug in a stage driver, or cancellation by close()
+            self._gather_done = True
+            self.notify()
+            self._fatal = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
+            await self._sequencer.fail(self._fatal)
+            self._confirm_all_pending(self._fatal)
+            if not isinstance(exc, (Exception, BaseExceptionGroup)):
+                raise
+
+    async def aclose(self) -> None:
+        """Cancel every stage and wait for them; in-flight executor work is abandoned."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        self._out_recv.close()
+
+    # -- caller side --------------------------------------------------------------------------
+
+    async def next_state(self) -> StepState | None:
+        """The next deliverable step; raises its error; ``None`` at the end of the pass."""
+        try:
+            state = await self._out_recv.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            if self._fatal is not None:
+                raise self._fatal from None
+            return None
+        if state.terminal:
+            self._raise_for(state)
+            return None
+        assert state.confirmed is not None
+        await state.confirmed
+        self._raise_for(state)
+        self._slots.release()
+        return state
+
+    def notify(self) -> None:
+        """Wake :meth:`wait_until` callers (progress was made)."""
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Wait until ``predicate()`` holds or the pipeline can make no more progress."""
+        while not predicate() and not self.finished:
+            await self._progress.wait()
+
+    @property
+    def finished(self) -> bool:
+        return self._gather_done or (self._task is not None and self._task.done())
+
+    def exchange_launched(self) -> None:
+        """Called (on the loop) when the final launch of the current exchange has run."""
+        self.exchange_launched_step = max(self.exchange_launched_step, self._exchanging)
+        self.notify()
+
+    def _raise_for(self, state: StepState) -> None:
+        if state.error is not None:
+            raise state.error
+        if state.remote is not None:
+            raise state.remote
+
+    # -- stage driver -------------------------------------------------------------------------
+
+    async def _stage(
+        self,
+        name: str,
+        recv: MemoryObjectReceiveStream[StepState],
+        send: MemoryObjectSendStream[StepState],
+        work: Callable[[StepState], Any],
+    ) -> None:
+        async with recv, send:
+            async for state in recv:
+                depth = recv.statistics().current_buffer_used
+                with self._tracer.span(name, state.step, queue_depth=depth):
+                    await work(state)
+                await send.send(state)
+
+    # -- read ---------------------------------------------------------------------------------
+
+    async def _read_stage(self, send: MemoryObjectSendStream[StepState]) -> None:
+        async with send:
+            step = self.first_step
+            while True:
+                limit = self._config.max_steps
+                if limit is not None and step >= limit:
+                    await send.send(StepState(step, status="end", end_reason="limit"))
+                    return
+                await self._slots.acquire()
+                with self._tracer.span("read", step):
+                    state = await self._read(step)
+                await send.send(state)
+                if state.status != "ok":
+                    return
+                step += 1
+
+    async def _read(self, step: int) -> StepState:
+        state = StepState(step)
+        try:
+            if self._iter is None:
+                self._iter = await self._open_source()
+            if isinstance(self._iter, AsyncIterator):
+                try:
+                    raw = await self._iter.__anext__()
+                except StopAsyncIteration:
+                    state.status, state.end_reason = "end", "exhausted"
+                    return state
+                loop = asyncio.get_running_loop()
+                bins, metas = await loop.run_in_executor(self._cpu, self._describe, raw)
+                state.source_state = self._source_state()
+            else:
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(self._source_executor, self._read_sync)
+                if result is None:
+                    state.status, state.end_reason = "end", "exhausted"
+                    return state
+                bins, metas, state.source_state = result
+            state.bins, state.metas = bins, metas
+        except Exception as exc:
+            state.status = "error"
+            state.fail(getattr(exc, "_evenflow_stage", "source"), exc)
+        return state
+
+    async def _open_source(self) -> Iterator[Any] | AsyncIterator[Any]:
+        if hasattr(self._source, "__aiter__"):
+            return self._source.__aiter__()  # type: ignore[no-any-return]
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._source_executor, iter, self._source)
+
+    def _source_state(self) -> Any:
+        state_dict = getattr(self._source, "state_dict", None)
+        return state_dict() if callable(state_dict) else None
+
+    def _read_sync(self) -> tuple[list[list[Any]], list[SampleMetadata], Any] | None:
+        assert isinstance(self._iter, Iterator)
+        try:
+            raw = next(self._iter)
+        except StopIteration:
+            return None
+        bins, metas = self._describe(raw)
+        return bins, metas, self._source_state()
+
+    def _describe(self, raw: Any) -> tuple[list[list[Any]], list[SampleMetadata]]:
+        n = self._config.bins_per_rank
+        if isinstance(raw, (str, bytes)) or not hasattr(raw, "__len__") or len(raw) != n:
+            got = len(raw) if hasattr(raw, "__len__") else type(raw).__name__
+            raise ConfigError(
+                f"Each source step must be a sequence of bins_per_rank={n} bins, but got {got}. "
+                "Make the source yield one list of bins (each a list of samples) per step."
+            )
+        bins = [list(b) for b in raw]
+        for i, b in enumerate(bins):
+            if not b:
+                raise ConfigError(
+                    f"Source step bin {i} is empty; every bin must hold at least one sample "
+                    "(the plan keeps bins_per_rank non-empty bins per rank)."
+                )
+        metas: list[SampleMetadata] = []
+        try:
+            for b in bins:
+                for sample in b:
+                    metas.append(self._describe_sample(sample))
+        except Exception as exc:
+            exc._evenflow_stage = "metadata"  # type: ignore[attr-defined]
+            raise
+        return bins, metas
+
+    def _describe_sample(self, sample: Any) -> SampleMetadata:
+        meta = self._metadata_fn(sample)
+        if isinstance(meta, SampleMetadata):
+            return meta
+        if isinstance(meta, int) and not isinstance(meta, bool):
+            return SampleMetadata(tokens=meta)
+        raise TypeError(
+            f"metadata_fn must return a SampleMetadata or an int token count, but returned "
+            f"{meta!r:.80} ({type(meta).__name__})."
+        )
+
+    # -- gather -------------------------------------------------------------------------------
+
+    async def _gather(self, state: StepState) -> None:
+        await self._sequencer.turn(state.step, "gather")
+        prev = self._prev_status()
+        msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
+        try:
+            messages = await self._transport.all_gather(msg)
+        except BaseException as exc:
+            await self._group_failed(state, exc)
+            return
+        await self._sequencer.advance(state.step, "gather")
+        self.gathered_step = state.step
+        self._confirm_prev([m.get("prev") for m in messages])
+        self._judge_round(state, messages)
+        self._gather_done = state.terminal
+        self.notify()
+        if not state.terminal:
+            self._prev = state
+            state.confirmed = asyncio.get_running_loop().create_future()
+            if state.error is None:
+                state.timings["messages"] = 0.0
+                state.received = {"__messages__": messages}
+
+    def _prev_status(self) -> dict[str, Any] | None:
+        prev = self._prev
+        if prev is None:
+            return None
+        info = (
+            None
+            if prev.error is None
+            else error_info(self._rank, prev.error_stage, prev.step, prev.error)
+        )
+        digest = prev.plan.digest if prev.plan is not None else None
+        return {"step": prev.step, "error": info, "digest": digest}
+
+    def _confirm_prev(self, prevs: list[dict[str, Any] | None]) -> None:
+        prev, self._prev = self._prev, None
+        if prev is None or prev.confirmed is None:
+            return
+        for info in (p.get("error") if p else None for p in prevs):
+            if info is not None and int(info["rank"]) != self._rank and prev.error is None:
+                prev.remote = remote_error(info, self._global_ranks)
+                break
+        if prev.error is None and prev.remote is None:
+            try:
+                check_digests(prevs, prev.step, self._global_ranks)
+            except GroupMismatchError as exc:
+                prev.remote = exc
+        if not prev.confirmed.done():
+            prev.confirmed.set_result(None)
+
+    def _judge_round(self, state: StepState, messages: list[dict[str, Any]]) -> None:
+        statuses = [m["status"] for m in messages]
+        if state.step == self.first_step:
+            firsts = [int(m["first"]) for m in messages]
+            if any(f != firsts[0] for f in firsts):
+                odd = [self._global_ranks[r] for r, f in enumerate(firsts) if f != firsts[0]]
+                state.remote = ResumeError(
+                    f"Ranks of the group start at different steps: rank "
+                    f"{self._global_ranks[0]} at step {firsts[0]}, ranks {odd} elsewhere "
+                    f"(starts {firsts}). Restore every rank from states saved at the same step."
+                )
+                state.terminal = True
+                return
+        if "error" in statuses:
+            state.terminal = True
+            if state.error is None:
+                info = next(m["error"] for m in messages if m["status"] == "error")
+                state.remote = remote_error(info, self._global_ranks)
+            return
+        if "end" in statuses:
+            state.terminal = True
+            ended = [self._global_ranks[r] for r, s in enumerate(statuses) if s == "end"]
+            if len(ended) < len(statuses) and self._config.on_uneven_end == "raise":
+                state.remote = SourceExhaustedError(
+                    f"The sources of ranks {ended} ended at step {state.step} while the other "
+                    f"ranks of the group still had data. Give every rank the same number of "
+                    "steps, or set on_uneven_end='stop' to end everywhere at the shortest."
+                )
+            state.status = "end"
+
+    async def _group_failed(self, state: StepState, exc: BaseException) -> None:
+        """A collective failed: the group is unusable; release everything with ``exc``."""
+        state.fail("gather", exc)
+        state.terminal = True
+        self._gather_done = True
+        self.notify()
+        await self._sequencer.fail(exc)
+        self._confirm_all_pending(exc)
+
+    def _confirm_all_pending(self, exc: BaseException) -> None:
+        prev, self._prev = self._prev, None
+        if prev is not None and prev.confirmed is not None and not prev.confirmed.done():
+            prev.remote = prev.remote or exc
+            prev.confirmed.set_result(None)
+
+    # -- plan ---------------------------------------------------------------------------------
+
+    async def _plan(self, state: StepState) -> None:
+        if state.terminal:
+            return
+        messages = state.received.pop("__messages__", None)
+        leader = self._config.planning == "leader"
+        if messages is not None and (not leader or self._rank == 0):
+            loop = asyncio.get_running_loop()
+            try:
+                state.plan, state.stats = await loop.run_in_executor(
+                    self._cpu, self._plan_sync, state.step, messages
+                )
+            except Exception as exc:
+                state.fail("plan", exc)
+        await self._sequencer.turn(state.step, "broadcast")
+        if leader:
+            await self._broadcast_plan(state, messages)
+        await self._sequencer.advance(state.step, "broadcast")
+
+    def _plan_sync(self, step: int, messages: list[dict[str, Any]]) -> tuple[Plan, Any]:
+        samples, bins, owner = peer_samples(messages, step, self._budget_names)
+        plan = self._planner.plan(samples, bins, step)
+        return plan, step_stats(plan, owner, self._global_ranks)
+
+    async def _broadcast_plan(self, state: StepState, messages: Any) -> None:
+        payload: dict[str, Any] | None = None
+        if self._rank == 0:
+            if state.error is not None:
+                payload = {"error": error_info(0, state.error_stage, state.step, state.error)}
+            else:
+                assert state.plan is not None
+                payload = {"plan": _plan_to_wire(state.plan)}
+        try:
+            received = await self._transport.broadcast(payload, src=0)
+        except BaseException as exc:
+            await self._group_failed(state, exc)
+            return
+        if self._rank == 0:
+            return
+        if received.get("error") is not None:
+            state.remote = remote_error(received["error"], self._global_ranks)
+            state.error = state.remote
+            state.error_stage = "plan"
+            return
+        loop = asyncio.get_running_loop()
+        state.plan, state.stats = await loop.run_in_executor(
+            self._cpu,
+            _plan_from_wire,
+            received["plan"],
+            messages,
+            state.step,
+            self._budget_names,
+            self._global_ranks,
+        )
+
+    # -- exchange -----------------------------------------------------------------------------
+
+    async def _exchange(self, state: StepState) -> None:
+        if state.terminal:
+            return
+        plan = state.plan
+        moves = plan is not None and plan.num_moved > 0
+        await self._sequencer.turn(state.step, "exchange")
+        if moves:
+            assert plan is not None
+            outgoing = self._outgoing(state, plan) if state.error is None else {}
+            self._exchanging = state.step
+            try:
+                state.received = await self._transport.exchange(outgoing)
+            except BaseException as exc:
+                if not _is_local_encode_error(exc):
+                    await self._group_failed(state, exc)
+                    return
+                # Nothing moved: the encoder failed before any collective. Announce the
+                # failure through the same collective so the group stays in step.
+                state.fail("exchange", exc)
+                marker = {
+                    t: [((_ERROR_KEY, self._rank), {"failed": True})]
+                    for t in range(self._transport.num_ranks)
+                }
+                try:
+                    state.received = await self._transport.exchange(marker)
+                except BaseException as exc2:
+                    await self._group_failed(state, exc2)
+                    return
+            failed = [
+                k for k in state.received if isinstance(k, tuple) and k and k[0] == _ERROR_KEY
+            ]
+            if failed and state.error is None and state.remote is None:
+                rank = int(failed[0][1])
+                state.remote = RemoteStageError(
+                    failed_rank=self._global_ranks[rank],
+                    stage="exchange",
+                    step=state.step,
+                    error_type="EncodeError",
+                    message="a payload could not be encoded",
+                )
+        self.exchanged_step = state.step
+        self.notify()
+        await self._sequencer.advance(state.step, "exchange")
+
+    def _outgoing(self, state: StepState, plan: Plan) -> dict[int, list[tuple[Any, Any]]]:
+        assert state.bins is not None
+        local = [s for b in state.bins for s in b]
+        outgoing: dict[int, list[tuple[Any, Any]]] = {}
+        for dest, bins in enumerate(plan.local_batches):
+            if dest == self._rank:
+                continue
+            for b in bins:
+                for key in b.sample_keys:
+                    if key.source_rank == self._rank:
+                        outgoing.setdefault(dest, []).append((key.as_tuple(), local[key.index]))
+        return outgoing
+
+    # -- pack ---------------------------------------------------------------------------------
+
+    async def _pack(self, state: StepState) -> None:
+        if state.terminal:
+            return
+        if state.error is None and state.remote is None and state.plan is not None:
+            loop = asyncio.get_running_loop()
+            try:
+                state.host_batch, state.staged = await loop.run_in_executor(
+                    self._cpu, self._pack_sync, state
+                )
+            except Exception as exc:
+                state.fail(getattr(exc, "_evenflow_stage", "pack"), exc)
+        state.release_payloads()
+        await self._sequencer.turn(state.step, "settle")
+        await self._sequencer.advance(state.step, "settle")
+
+    def _pack_sync(self, state: StepState) -> tuple[Any, Any]:
+        plan = state.plan
+        assert plan is not None and state.bins is not None
+        local = [s for b in state.bins for s in b]
+        packed = []
+        for b in plan.local_batches[self._rank]:
+            samples = []
+            for key in b.sample_keys:
+                if key.source_rank == self._rank:
+                    samples.append(local[key.index])
+                else:
+                    try:
+                        samples.append(state.received[key.as_tuple()])
+                    except KeyError:
+                        raise PlanningError(
+                            f"Rank {self._rank} did not receive sample {key} planned for it "
+                            f"at step {state.step}; the exchange lost data."
+                        ) from None
+            packed.append(self._pack_fn(samples, self._config.seq_len))
+        try:
+            batch = self._collate_fn(packed)
+        except Exception as exc:
+            exc._evenflow_stage = "collate"  # type: ignore[attr-defined]
+            raise
+        try:
+            staged = self._stager.stage(batch)
+        except Exception as exc:
+            exc._evenflow_stage = "h2d"  # type: ignore[attr-defined]
+            raise
+        return batch, staged
+
+
+def _is_local_encode_error(exc: BaseException) -> bool:
+    from evenflow.transports.errors import EncodeError, RouteError
+
+    return isinstance(exc, (EncodeError, RouteError))
+
+
+def _plan_to_wire(plan: Plan) -> dict[str, Any]:
+    d = plan.decision
+    return {
+        "step": plan.step,
+        "seq_len": plan.seq_len,
+        "bins": [
+            [np.array([k.as_tuple() for k in b.sample_keys], dtype=np.int64) for b in bins]
+            for bins in plan.local_batches
+        ],
+        "tokens": [[b.tokens for b in bins] for bins in plan.local_batches],
+        "rank_costs": list(plan.rank_costs),
+        "source_rank_costs": list(plan.source_rank_costs),
+        "decision": [
+            d.objective,
+            d.algorithm,
+            d.original_objective,
+            d.candidate_objective,
+            d.relative_gain,
+            d.min_balance_gain,
+            d.accepted,
+        ],
+        "num_moved": plan.num_moved,
+        "digest": plan.digest,
+    }
+
+
+def _plan_from_wire(
+    data: dict[str, Any],
+    messages: list[dict[str, Any]],
+    step: int,
+    budget_names: tuple[str, ...],
+    global_ranks: tuple[int, ...],
+) -> Any:
+    """Rebuild the leader's plan (checking its digest) and the step statistics."""
+    seq_len = int(data["seq_len"])
+    local_batches = []
+    flat: list[list[SampleKey]] = []
+    for bins, tokens in zip(data["bins"], data["tokens"], strict=True):
+        rank_bins = []
+        for keys, tok in zip(bins, tokens, strict=True):
+            sample_keys = tuple(
+                SampleKey(int(a), int(b), int(c))
+                for a, b, c in np.asarray(keys).reshape(-1, 3).tolist()
+            )
+            flat.append(list(sample_keys))
+            rank_bins.append(BinPlan(sample_keys, int(tok), int(tok) > seq_len))
+        local_batches.append(tuple(rank_bins))
+    bins_per_rank = len(local_batches[0]) if local_batches else 0
+    digest = plan_digest(step, seq_len, flat, bins_per_rank)
+    if digest != data["digest"]:
+        raise GroupMismatchError(
+            f"The broadcast plan of step {step} does not match its digest "
+            f"({digest!r} != {data['digest']!r}); the leader's plan was corrupted in transit."
+        )
+    d = data["decision"]
+    plan = Plan(
+        step=step,
+        seq_len=seq_len,
+        local_batches=tuple(local_batches),
+        rank_costs=tuple(float(c) for c in data["rank_costs"]),
+        source_rank_costs=tuple(float(c) for c in data["source_rank_costs"]),
+        decision=BalanceDecision(
+            str(d[0]), str(d[1]), float(d[2]), float(d[3]), float(d[4]), float(d[5]), bool(d[6])
+        ),
+        num_moved=int(data["num_moved"]),
+        digest=digest,
+    )
+    _, _, owner = peer_samples(messages, step, budget_names)
+    return plan, step_stats(plan, owner, global_ranks)

@@ -1,0 +1,176 @@
+"""One step's journey through the pipeline, and the metadata message ranks exchange for it.
+
+The metadata message is the only thing every rank sends every step, so it is compact (about
+4 bytes per sample for token counts, plus features and packing costs only when present) and it
+doubles as the fail-together channel: it carries this rank's status for the step being read
+(ok / end / error) and for the previous step (its plan digest and whether packing succeeded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._plan import Plan
+from evenflow.engine._stats import StepStats
+from evenflow.engine.errors import GroupMismatchError, RemoteStageError
+
+__all__ = ["ErrorInfo", "StepState", "build_message", "error_info", "peer_samples"]
+
+ErrorInfo = dict[str, Any]
+MESSAGE_VERSION = 1
+
+
+def error_info(rank: int, stage: str, step: int, exc: BaseException) -> ErrorInfo:
+    """Plain-data description of a failure, as announced to the group."""
+    return {
+        "rank": rank,
+        "stage": stage,
+        "step": step,
+        "type": type(exc).__name__,
+        "message": str(exc)[:4000],
+        "traceback": "".join(traceback.format_exception(exc))[-4000:],
+    }
+
+
+def remote_error(info: ErrorInfo, global_ranks: tuple[int, ...]) -> RemoteStageError:
+    rank = int(info["rank"])
+    failed = global_ranks[rank] if 0 <= rank < len(global_ranks) else rank
+    return RemoteStageError(
+        failed_rank=failed,
+        stage=str(info["stage"]),
+        step=int(info["step"]),
+        error_type=str(info["type"]),
+        message=str(info["message"]),
+    )
+
+
+@dataclass(eq=False)
+class StepState:
+    """Everything the pipeline knows about one step on this rank."""
+
+    step: int
+    status: str = "ok"  # "ok" | "end" | "error"
+    end_reason: str = ""  # "exhausted" | "limit"
+    bins: list[list[Any]] | None = None
+    metas: list[SampleMetadata] | None = None
+    source_state: Any = None
+    error: BaseException | None = None
+    error_stage: str = ""
+    remote: BaseException | None = None  # a group-wide error to raise at this step
+    terminal: bool = False  # no later step exists: raise or end here
+    plan: Plan | None = None
+    stats: StepStats | None = None
+    received: dict[Any, Any] = field(default_factory=dict)
+    host_batch: Any = None
+    staged: Any = None
+    confirmed: asyncio.Future[None] | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def fail(self, stage: str, exc: BaseException) -> None:
+        if self.error is None:
+            self.error, self.error_stage = exc, stage
+
+    def release_payloads(self) -> None:
+        self.bins = None
+        self.received = {}
+
+
+def build_message(
+    state: StepState,
+    rank: int,
+    first_step: int,
+    budget_names: tuple[str, ...],
+    prev: dict[str, Any] | None,
+) -> dict[str, Any]:
+    msg: dict[str, Any] = {
+        "v": MESSAGE_VERSION,
+        "step": state.step,
+        "first": first_step,
+        "status": state.status,
+        "prev": prev,
+        "error": None,
+    }
+    if state.status == "error":
+        assert state.error is not None
+        msg["error"] = error_info(rank, state.error_stage, state.step, state.error)
+    elif state.status == "ok":
+        assert state.bins is not None and state.metas is not None
+        metas = state.metas
+        msg["sizes"] = np.fromiter(
+            (len(b) for b in state.bins), dtype=np.int32, count=len(state.bins)
+        )
+        msg["tokens"] = np.fromiter((m.tokens for m in metas), dtype=np.int64, count=len(metas))
+        if any(m.features for m in metas):
+            msg["features"] = [dict(m.features) for m in metas]
+        if budget_names:
+            msg["costs"] = np.array(
+                [[m.packing_costs.get(n, np.nan) for n in budget_names] for m in metas],
+                dtype=np.float64,
+            ).reshape(len(metas), len(budget_names))
+    return msg
+
+
+def _metadata(tokens: int, features: Any, costs: dict[str, float]) -> SampleMetadata:
+    # Peers validated their metadata before sending it; rebuilding it here without a second
+    # validation keeps a 100,000-sample step cheap. NaN marks a budget the peer's sample lacked,
+    # which the planner then reports by name.
+    meta = object.__new__(SampleMetadata)
+    object.__setattr__(meta, "tokens", tokens)
+    object.__setattr__(meta, "features", features if features is not None else {})
+    object.__setattr__(meta, "packing_costs", costs)
+    return meta
+
+
+def peer_samples(
+    messages: list[dict[str, Any]], step: int, budget_names: tuple[str, ...]
+) -> tuple[list[tuple[SampleKey, SampleMetadata]], list[list[SampleKey]], dict[SampleKey, int]]:
+    """The step's samples, source layout and key → reading rank, from every rank's message."""
+    samples: list[tuple[SampleKey, SampleMetadata]] = []
+    bins: list[list[SampleKey]] = []
+    owner: dict[SampleKey, int] = {}
+    for rank, msg in enumerate(messages):
+        tokens = [int(t) for t in np.asarray(msg["tokens"]).tolist()]
+        features = msg.get("features")
+        costs = msg.get("costs")
+        keys = [SampleKey(rank, step, i) for i in range(len(tokens))]
+        for i, key in enumerate(keys):
+            row = (
+                {}
+                if costs is None
+                else {
+                    n: float(v)
+                    for n, v in zip(budget_names, costs[i], strict=True)
+                    if not np.isnan(v)
+                }
+            )
+            samples.append(
+                (key, _metadata(tokens[i], None if features is None else features[i], row))
+            )
+            owner[key] = rank
+        start = 0
+        for size in np.asarray(msg["sizes"]).tolist():
+            bins.append(keys[start : start + int(size)])
+            start += int(size)
+    return samples, bins, owner
+
+
+def check_digests(
+    prevs: list[dict[str, Any] | None], step: int, global_ranks: tuple[int, ...]
+) -> None:
+    """Raise GroupMismatchError if ranks planned ``step`` differently."""
+    digests = [None if p is None else p.get("digest") for p in prevs]
+    known = [d for d in digests if d is not None]
+    if known and any(d != known[0] for d in known):
+        first = next(i for i, d in enumerate(digests) if d != digests[0])
+        raise GroupMismatchError(
+            f"Ranks planned step {step} differently: rank {global_ranks[0]} has plan digest "
+            f"{digests[0]!r} but rank {global_ranks[first]} has {digests[first]!r}. Planning "
+            "must be a pure function of the gathered step: check that every rank uses the "
+            "same cost model, algorithm and configuration, and that they are deterministic."
+        )

@@ -1,0 +1,413 @@
+"""The engine over in-process ranks: conservation, iteration modes, lifecycle, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from evenflow.engine import BalancedLoader, LoaderConfig, SampleMetadata
+from evenflow.engine.errors import (
+    LoaderStateError,
+    RemoteStageError,
+    SourceExhaustedError,
+)
+from evenflow.transports import InProcessGroup
+
+SEQ_LEN = 64
+
+
+def _lengths(rank: int, step: int, bins: int, epoch: int = 0) -> list[list[int]]:
+    """Deterministic, deliberately skewed bins: rank 0 gets long samples on even steps."""
+    rng = random.Random(hash((rank, step, epoch)) & 0xFFFF)
+    out = []
+    for _ in range(bins):
+        if rank == 0 and step % 2 == 0:
+            sizes = [rng.randint(24, 32), rng.randint(24, 31)]
+        else:
+            sizes = [rng.randint(1, 8) for _ in range(rng.randint(2, 6))]
+        out.append(sizes)
+    return out
+
+
+def _sample(rank: int, step: int, i: int, length: int) -> dict[str, Any]:
+    return {"id": (rank, step, i), "input_ids": np.full(length, rank * 1000 + i, dtype=np.int32)}
+
+
+class StepSource:
+    """A rank-local source of steps with state_dict support and an epoch."""
+
+    def __init__(
+        self, rank: int, *, num_steps: int = 6, bins: int = 2, fail_at: int | None = None
+    ) -> None:
+        self.rank, self.num_steps, self.bins, self.fail_at = rank, num_steps, bins, fail_at
+        self.epoch = 0
+        self.reads = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_steps
+
+    def __iter__(self) -> Iterator[list[list[dict[str, Any]]]]:
+        for step in range(self.num_steps):
+            if self.fail_at == step:
+                raise ValueError(f"source broke on rank {self.rank}")
+            self.reads += 1
+            bins, i = [], 0
+            for sizes in _lengths(self.rank, step, self.bins, self.epoch):
+                b = []
+                for length in sizes:
+                    b.append(_sample(self.rank, step, i, length))
+                    i += 1
+                bins.append(b)
+            yield bins
+
+
+def ids_pack(samples: list[dict[str, Any]], seq_len: int) -> list[Any]:
+    assert sum(len(s["input_ids"]) for s in samples) <= seq_len
+    for s in samples:
+        rank, _, i = s["id"]
+        assert np.all(np.asarray(s["input_ids"]) == rank * 1000 + i), "payload corrupted"
+    return [tuple(s["id"]) for s in samples]
+
+
+def make_loaders(
+    n: int,
+    *,
+    group: InProcessGroup | None = None,
+    sources: list[Any] | None = None,
+    **overrides: Any,
+) -> list[BalancedLoader]:
+    group = group or InProcessGroup(n, timeout=20.0)
+    cfg = dict(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False)
+    cfg.update(
+        {k: overrides.pop(k) for k in list(overrides) if k in LoaderConfig.__dataclass_fields__}
+    )
+    config = LoaderConfig(**cfg)
+    sources = sources or [StepSource(r) for r in range(n)]
+    return [
+        BalancedLoader(
+            sources[r],
+            config=config,
+            transport=group.transport(r),
+            pack_fn=ids_pack,
+            cost_model="quadratic",
+            **overrides,
+        )
+        for r in range(n)
+    ]
+
+
+async def run_async(
+    loaders: list[BalancedLoader], each: Callable[[int, BalancedLoader, Any], Any] | None = None
+) -> list[list[Any]]:
+    async def one(rank: int, loader: BalancedLoader) -> list[Any]:
+        out = []
+        async with loader:
+            async for batch in loader:
+                out.append(batch)
+                if each is not None:
+                    each(rank, loader, batch)
+        return out
+
+    return list(await asyncio.gather(*(one(r, ld) for r, ld in enumerate(loaders))))
+
+
+def run_threads(
+    loaders: list[BalancedLoader], body: Callable[[int, BalancedLoader], Any]
+) -> list[Any]:
+    results: list[Any] = [None] * len(loaders)
+    errors: list[BaseException | None] = [None] * len(loaders)
+
+    def main(rank: int) -> None:
+        try:
+            results[rank] = body(rank, loaders[rank])
+        except BaseException as exc:
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(len(loaders))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a rank hung"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def assert_conserved(per_rank: list[list[list[list[Any]]]], n: int, steps: int) -> None:
+    """Every source sample of every step is delivered exactly once, on some rank."""
+    for step in range(steps):
+        delivered = [sid for r in range(n) for b in per_rank[r][step] for sid in b]
+        expected = {
+            (r, step, i) for r in range(n) for i in range(sum(len(s) for s in _lengths(r, step, 2)))
+        }
+        assert len(delivered) == len(set(delivered)), f"duplicate at step {step}"
+        assert set(delivered) == expected, f"lost or foreign samples at step {step}"
+        for r in range(n):
+            assert len(per_rank[r][step]) == 2 and all(per_rank[r][step])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("n", [1, 2, 4, 16])
+async def test_async_iteration_conserves_every_sample(n: int) -> None:
+    loaders = make_loaders(n)
+    batches = await run_async(loaders)
+    assert [len(b) for b in batches] == [6] * n
+    assert_conserved(batches, n, 6)
+
+
+@pytest.mark.asyncio
+async def test_balancing_moves_samples_and_lowers_the_makespan() -> None:
+    stats: list[Any] = []
+    loaders = make_loaders(2, stats_callback=stats.append)
+    await run_async(loaders)
+    rank0 = [s for s in stats if s.step % 2 == 0][::2]
+    assert any(s.num_moved > 0 for s in rank0)
+    for s in stats:
+        assert s.max_cost_after <= s.max_cost_before
+        assert sum(s.sent) == sum(s.received) == (s.num_moved if s.decision.accepted else 0)
+    assert any(s.max_cost_after < s.max_cost_before for s in stats)
+
+
+def test_sync_iteration_conserves_every_sample_with_threads_per_rank() -> None:
+    loaders = make_loaders(4)
+
+    def body(rank: int, loader: BalancedLoader) -> list[Any]:
+        with loader:
+            return list(loader)
+
+    batches = run_threads(loaders, body)
+    assert_conserved(batches, 4, 6)
+    assert all(not t.name.startswith("evenflow") for t in threading.enumerate()), [
+        t.name for t in threading.enumerate()
+    ]
+
+
+@pytest.mark.asyncio
+async def test_balance_off_keeps_the_source_layout() -> None:
+    loaders = make_loaders(2, balance=False)
+    batches = await run_async(loaders)
+    for r in range(2):
+        for step, bins in enumerate(batches[r]):
+            assert all(sid[0] == r and sid[1] == step for b in bins for sid in b)
+
+
+@pytest.mark.asyncio
+async def test_leader_planning_matches_replicated_planning() -> None:
+    replicated = await run_async(make_loaders(3))
+    leader = await run_async(make_loaders(3, planning="leader"))
+    assert leader == replicated
+
+
+@pytest.mark.asyncio
+async def test_canonical_order_survives_adversarial_timings() -> None:
+    rng = random.Random(7)
+    delays = {(r, i): rng.choice([0.0, 0.0, 0.002, 0.01]) for r in range(4) for i in range(200)}
+    group = InProcessGroup(4, timeout=20.0, delay_fn=lambda r, i, op: delays.get((r, i), 0.0))
+    loaders = make_loaders(4, group=group, prefetch_depth=3)
+    batches = await run_async(loaders)
+    assert_conserved(batches, 4, 6)
+
+
+@pytest.mark.asyncio
+async def test_max_steps_stops_every_rank_without_reading_further() -> None:
+    sources = [StepSource(r) for r in range(2)]
+    loaders = make_loaders(2, sources=sources, max_steps=2, prefetch_depth=1)
+    assert len(loaders[0]) == 2
+    batches = await run_async(loaders)
+    assert [len(b) for b in batches] == [2, 2]
+    assert all(s.reads == 2 for s in sources)
+
+
+@pytest.mark.asyncio
+async def test_source_error_on_one_rank_fails_every_rank_at_the_same_step() -> None:
+    sources = [StepSource(0), StepSource(1, fail_at=3)]
+    loaders = make_loaders(2, sources=sources)
+    seen: list[list[int]] = [[], []]
+
+    async def one(rank: int) -> BaseException:
+        try:
+            async with loaders[rank]:
+                async for _ in loaders[rank]:
+                    seen[rank].append(loaders[rank].step)
+        except Exception as exc:
+            return exc
+        raise AssertionError("no error surfaced")
+
+    errors = await asyncio.gather(one(0), one(1))
+    assert seen == [[1, 2, 3], [1, 2, 3]]
+    assert isinstance(errors[1], ValueError) and "source broke" in str(errors[1])
+    assert isinstance(errors[0], RemoteStageError)
+    assert errors[0].failed_rank == 1 and errors[0].stage == "source" and errors[0].step == 3
+    assert "source broke on rank 1" in str(errors[0])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("stage", ["metadata", "pack", "collate"])
+async def test_stage_errors_surface_on_every_rank_naming_the_failing_one(stage: str) -> None:
+    boom = RuntimeError(f"{stage} exploded")
+
+    def metadata_fn(sample: dict[str, Any]) -> SampleMetadata:
+        if stage == "metadata" and sample["id"] == (1, 2, 0):
+            raise boom
+        return SampleMetadata(tokens=len(sample["input_ids"]))
+
+    def pack(samples: list[Any], seq_len: int) -> Any:
+        if (
+            stage == "pack"
+            and threading.current_thread().name
+            and any(s["id"][1] == 2 for s in samples)
+            and samples[0]["id"][0] == 1
+        ):
+            raise boom
+        return ids_pack(samples, seq_len)
+
+    group = InProcessGroup(2, timeout=20.0)
+    config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False, balance=False)
+    loaders = []
+    for r in range(2):
+
+        def collate(bins: list[Any], r: int = r) -> list[Any]:
+            if stage == "collate" and r == 1 and bins[0][0][1] == 2:
+                raise boom
+            return bins
+
+        loaders.append(
+            BalancedLoader(
+                StepSource(r),
+                config=config,
+                transport=group.transport(r),
+                metadata_fn=metadata_fn,
+                pack_fn=pack,
+                collate_fn=collate,
+            )
+        )
+
+    async def one(rank: int) -> tuple[int, BaseException]:
+        steps = 0
+        try:
+            async with loaders[rank]:
+                async for _ in loaders[rank]:
+                    steps += 1
+        except BaseException as exc:
+            return steps, exc
+        raise AssertionError("no error surfaced")
+
+    (s0, e0), (s1, e1) = await asyncio.gather(one(0), one(1))
+    assert s0 == s1 == 2
+    assert e1 is boom
+    assert isinstance(e0, RemoteStageError) and e0.failed_rank == 1 and e0.step == 2
+    assert e0.stage == stage and f"{stage} exploded" in str(e0)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("policy", "error"), [("stop", None), ("raise", SourceExhaustedError)])
+async def test_early_exhaustion_on_one_rank_stops_all(policy: str, error: Any) -> None:
+    sources = [StepSource(0, num_steps=6), StepSource(1, num_steps=4)]
+    loaders = make_loaders(2, sources=sources, on_uneven_end=policy)
+    if error is None:
+        batches = await run_async(loaders)
+        assert [len(b) for b in batches] == [4, 4]
+    else:
+        with pytest.raises(error, match=r"ranks \[1\] ended at step 4"):
+            await run_async(loaders)
+
+
+def test_set_epoch_and_reiteration_restart_cleanly() -> None:
+    loaders = make_loaders(2, max_steps=3)
+
+    def body(rank: int, loader: BalancedLoader) -> tuple[list[Any], list[Any], list[Any]]:
+        with loader:
+            first = list(loader)
+            assert list(loader) == []  # the pass is over until set_epoch
+            loader.set_epoch(1)
+            assert loader.step == 0 and loader.last_host_batch is None
+            second = list(loader)
+            loader.set_epoch(1)
+            third = list(loader)
+            return first, second, third
+
+    results = run_threads(loaders, body)
+    for first, second, third in results:
+        assert len(first) == len(second) == 3
+        assert second == third  # same epoch, same data
+
+
+def test_close_in_every_phase_leaks_no_thread() -> None:
+    for stop_after in (0, 1, 3):
+        loaders = make_loaders(2)
+
+        def body(rank: int, loader: BalancedLoader, stop_after: int = stop_after) -> int:
+            it = iter(loader)
+            for _ in range(stop_after):
+                next(it)
+            loader.close()
+            loader.close()  # idempotent
+            with pytest.raises(LoaderStateError, match="closed"):
+                next(it)
+            return stop_after
+
+        run_threads(loaders, body)
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("evenflow")]
+    assert leftover == []
+
+
+@pytest.mark.asyncio
+async def test_async_close_mid_pass_cancels_the_pipeline() -> None:
+    loaders = make_loaders(2)
+
+    async def one(loader: BalancedLoader) -> None:
+        async for _ in loader:
+            break
+        await loader.aclose()
+
+    await asyncio.gather(*(one(ld) for ld in loaders))
+    pending = [t for t in asyncio.all_tasks() if t.get_name() == "evenflow-pipeline"]
+    assert pending == []
+
+
+@pytest.mark.asyncio
+async def test_mixing_sync_and_async_iteration_is_refused() -> None:
+    (loader,) = make_loaders(1)
+    async for _ in loader:
+        break
+    with pytest.raises(LoaderStateError, match="async mode"):
+        next(iter(loader))
+    await loader.aclose()
+
+
+@pytest.mark.asyncio
+async def test_last_stats_describe_the_consumed_step() -> None:
+    loaders = make_loaders(2, prefetch_depth=3)
+
+    def each(rank: int, loader: BalancedLoader, batch: Any) -> None:
+        stats = loader.last_stats
+        assert stats is not None and stats.step == loader.step - 1
+        assert loader.last_host_batch == batch
+
+    await run_async(loaders, each)
+
+
+def test_trace_summary_reports_the_callers_stall() -> None:
+    loaders = make_loaders(2)
+
+    def body(rank: int, loader: BalancedLoader) -> dict[str, Any]:
+        with loader:
+            for _ in loader:
+                pass
+            return loader.trace_summary()
+
+    for summary in run_threads(loaders, body):
+        caller = summary["caller"]
+        assert caller["wait"]["count"] == 7  # six steps and the final StopIteration
+        assert 0.0 <= caller["data_stall_fraction"] <= 1.0
