@@ -1,0 +1,238 @@
+"""A tiny causal transformer that trains on packed sequences, for ``evenflow demo``.
+
+The point of the model is to make the cost of a packed step behave like a real language model's:
+linear layers cost per token, attention costs per query-key pair *inside each sample*. A dense
+``T x T`` mask over the whole packed sequence would cost ``T^2`` whatever the samples are and
+hide exactly the imbalance the demo shows, so attention runs per sample: the packed
+``[T, heads, head_dim]`` projections are split at ``cu_seqlens`` and each piece goes through
+``scaled_dot_product_attention(is_causal=True)``. Positions come from ``position_ids`` (they
+restart at 0 for every sample), so no sample ever sees another one.
+
+The architecture is a pre-norm decoder with learned position embeddings, SwiGLU MLPs and a tied
+LM head; :meth:`TinyConfig.hf_config` describes it in Hugging Face field names so that the
+engine's ``FlopsCost`` predicts its per-sample work. Limits: per-sample attention is a Python
+loop (a few tens of microseconds per sample and layer), which is noise for this model's sample
+sizes but would not be for thousands of tiny samples; the LM head and norms are not in
+``FlopsCost``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from evenflow.engine._model import SampleMetadata
+from evenflow.engine._validate import check_int
+
+__all__ = [
+    "TinyCausalLM",
+    "TinyConfig",
+    "MeasuredCost",
+    "packed_loss",
+    "time_per_sample",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyConfig:
+    """Shape of :class:`TinyCausalLM`. ``max_positions`` bounds every sample's length."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 192
+    max_positions: int = 2048
+
+    def __post_init__(self) -> None:
+        check_int("TinyConfig.vocab_size", self.vocab_size, minimum=2)
+        check_int("TinyConfig.hidden_size", self.hidden_size, minimum=1)
+        check_int("TinyConfig.num_layers", self.num_layers, minimum=1)
+        check_int("TinyConfig.num_heads", self.num_heads, minimum=1)
+        check_int("TinyConfig.intermediate_size", self.intermediate_size, minimum=1)
+        check_int("TinyConfig.max_positions", self.max_positions, minimum=1)
+        if self.hidden_size % self.num_heads:
+            from evenflow.engine.errors import ConfigError
+
+            raise ConfigError(
+                f"TinyConfig.hidden_size={self.hidden_size!r} must be a multiple of "
+                f"num_heads={self.num_heads!r}; change either."
+            )
+
+    def hf_config(self) -> dict[str, Any]:
+        """This architecture in Hugging Face config fields (what ``FlopsCost`` reads)."""
+        return {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+        }
+
+    def num_parameters(self) -> int:
+        """Trainable parameters (the LM head is tied to the token embedding)."""
+        h, i = self.hidden_size, self.intermediate_size
+        per_layer = 4 * h * h + 3 * h * i + 2 * h
+        return self.vocab_size * h + self.max_positions * h + self.num_layers * per_layer + h
+
+
+class _Block(nn.Module):
+    """Pre-norm attention (per sample, causal) followed by a pre-norm SwiGLU MLP."""
+
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.num_heads = config.num_heads
+        self.head_dim = h // config.num_heads
+        self.norm1 = nn.LayerNorm(h, bias=False)
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.proj = nn.Linear(h, h, bias=False)
+        self.norm2 = nn.LayerNorm(h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(self.norm1(x)).view(t, 3, self.num_heads, self.head_dim)
+        # [3, heads, T, head_dim]: one split along T gives every sample's q, k and v.
+        qkv = qkv.permute(1, 2, 0, 3)
+        outputs = [
+            F.scaled_dot_product_attention(part[0], part[1], part[2], is_causal=True)
+            for part in torch.split(qkv, lengths, dim=2)
+        ]
+        attended = torch.cat(outputs, dim=1).transpose(0, 1).reshape(t, -1)
+        x = x + self.proj(attended)
+        gate, up = self.gate_up(self.norm2(x)).chunk(2, dim=-1)
+        out: torch.Tensor = x + self.down(F.silu(gate) * up)
+        return out
+
+
+class TinyCausalLM(nn.Module):
+    """A small decoder-only LM over one packed sequence at a time.
+
+    ``forward(input_ids, position_ids, cu_seqlens)`` takes the tensors of
+    :func:`~evenflow.engine.default_pack_fn` (1-D ``[T]``, ``[T]`` and ``[k + 1]``) and returns
+    logits ``[T, vocab_size]``; attention never crosses a ``cu_seqlens`` boundary.
+    """
+
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.positions = nn.Embedding(config.max_positions, config.hidden_size)
+        self.blocks = nn.ModuleList(_Block(config) for _ in range(config.num_layers))
+        self.norm = nn.LayerNorm(config.hidden_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.02)
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
+        lengths = torch.diff(cu_seqlens).tolist()
+        if int(position_ids.max()) >= self.config.max_positions:
+            raise ValueError(
+                f"position_ids reach {int(position_ids.max())}, but the model has "
+                f"max_positions={self.config.max_positions}; build it with max_positions >= "
+                "the longest sample."
+            )
+        x = self.embed(input_ids.long()) + self.positions(position_ids.long())
+        for block in self.blocks:
+            x = block(x, lengths)
+        return F.linear(self.norm(x), self.embed.weight)
+
+
+def packed_loss(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> Any:
+    """Mean next-token cross-entropy within each sample of a packed sequence.
+
+    The target of position ``i`` is token ``i + 1`` of the same sample; the last position of
+    every sample has no target (predicting across a boundary would leak the next sample).
+    """
+    targets = torch.roll(input_ids.long(), -1)
+    keep = torch.ones_like(targets, dtype=torch.bool)
+    keep[cu_seqlens[1:].long() - 1] = False
+    if not bool(keep.any()):  # only one-token samples: nothing to predict, zero loss
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits[keep], targets[keep])
+
+
+def time_per_sample(model: TinyCausalLM, seq_len: int, lengths: Sequence[int]) -> list[float]:
+    """Seconds of forward + backward per sample, for samples of each of ``lengths``.
+
+    Each length is timed as one packed sequence full of samples of that length (``seq_len //
+    length`` of them), the shape the model trains on, so the share of per-sequence overhead
+    and the per-sample attention calls are what training sees. One untimed pass first, so the
+    first timing does not pay for lazy initialisation. Gradients are discarded.
+    """
+    check_int("seq_len", seq_len, minimum=1)
+    for length in lengths:
+        check_int("lengths[i]", length, minimum=1)
+        if length > seq_len:
+            raise ValueError(f"lengths holds {length!r}, more than seq_len={seq_len!r}.")
+    generator = torch.Generator().manual_seed(0)
+
+    def one(length: int) -> float:
+        count = seq_len // length
+        ids = torch.randint(0, model.config.vocab_size, (count * length,), generator=generator)
+        positions = torch.arange(length).repeat(count)
+        cu = torch.arange(0, count * length + 1, length, dtype=torch.int32)
+        start = time.perf_counter()
+        packed_loss(model(ids, positions, cu), ids, cu).backward()
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return elapsed / count
+
+    if lengths:
+        one(max(lengths))
+    return [one(length) for length in lengths]
+
+
+class MeasuredCost:
+    """A cost model interpolating measured seconds per sample (log-log, piecewise linear).
+
+    On a CPU, attention over long samples costs more than ``L²`` suggests (the ``L x L`` scores
+    stop fitting in cache), so a measured table predicts this model's step time better than
+    any closed form. Below the shortest measured length the cost scales linearly with ``L``;
+    above the longest it follows the last segment's slope.
+    """
+
+    def __init__(self, lengths: Sequence[int], seconds: Sequence[float]) -> None:
+        pairs = sorted(zip(lengths, seconds, strict=True))
+        if not pairs or any(n <= 0 or not (s > 0 and math.isfinite(s)) for n, s in pairs):
+            raise ValueError(
+                f"lengths and seconds must be non-empty, positive and finite, but got "
+                f"{list(lengths)!r} and {list(seconds)!r}."
+            )
+        self._log_lengths = np.log([float(n) for n, _ in pairs])
+        self._log_seconds = np.log([s for _, s in pairs])
+        self.lengths = tuple(int(n) for n, _ in pairs)
+        self.seconds = tuple(float(s) for _, s in pairs)
+        digest = hashlib.sha256(repr((self.lengths, self.seconds)).encode()).hexdigest()[:16]
+        self.model_id = f"demo-measured-{digest}"
+
+    def __call__(self, meta: SampleMetadata) -> float:
+        x = math.log(meta.tokens)
+        xs, ys = self._log_lengths, self._log_seconds
+        if x <= xs[0]:
+            return float(math.exp(ys[0] + (x - xs[0])))
+        if x >= xs[-1]:
+            if len(xs) == 1:
+                return float(math.exp(ys[0] + (x - xs[0])))
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return float(math.exp(ys[-1] + slope * (x - xs[-1])))
+        return float(math.exp(np.interp(x, xs, ys)))
+
+    def __repr__(self) -> str:
+        table = ", ".join(
+            f"{n}: {s * 1e3:.3g} ms" for n, s in zip(self.lengths, self.seconds, strict=True)
+        )
+        return f"MeasuredCost({{{table}}})"

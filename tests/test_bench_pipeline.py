@@ -1,0 +1,37 @@
+"""``evenflow bench pipeline``: argument checks and a quick run on real Gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evenflow.engine._bench_pipeline import main
+
+
+def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--steps", "1"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert main(["--ranks", "1"]) == 2
+    assert "--ranks" in capsys.readouterr().err
+    assert main(["--compute-ms", "0"]) == 2
+
+
+@pytest.mark.multiprocess
+def test_quick_json_reports_every_case_and_target(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--quick", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["benchmark"] == "pipeline"
+    (world,) = doc["worlds"]
+    assert world["num_ranks"] == 2
+    for mode in ("sync", "async"):
+        for config in ("balanced", "balanced+trace", "off", "sync-ref"):
+            case = world["cases"][f"{mode}-{config}-2"]
+            assert case["steps"] == doc["config"]["steps"]
+            assert case["step_time_s"] > 0
+            assert 0.0 <= case["data_stall_fraction"] <= 1.0
+        traced = world["cases"][f"{mode}-balanced+trace-2"]
+        assert traced["pipeline_work_s"] > 0
+        assert world["cases"][f"{mode}-balanced-2"]["ideal_ratio"] >= 1.0
+    assert len(doc["targets"]) == 8
+    assert {t["status"] for t in doc["targets"]} <= {"PASS", "MISS", "N/A"}
