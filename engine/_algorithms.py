@@ -14,6 +14,7 @@ algorithm, :class:`~evenflow.engine._refine.RefineAlgorithm`, lives in its own m
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -108,7 +109,9 @@ class BalanceProblem:
         """Destination rank of every sample under the rank-major layout ``bins``."""
         sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
         flat = np.fromiter(
-            (i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum(dtype=np.int64))
+            itertools.chain.from_iterable(bins),
+            dtype=np.int64,
+            count=int(sizes.sum(dtype=np.int64)),
         )
         ranks = np.repeat(np.arange(len(bins), dtype=np.int64) // self.bins_per_rank, sizes)
         out = np.full(self.num_samples, -1, dtype=np.int64)
@@ -141,7 +144,7 @@ def first_infeasible_bin(problem: BalanceProblem, bins: Sequence[Sequence[int]])
     """
     constraints = problem.constraints
     sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-    flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+    flat = np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
     bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
     totals = np.bincount(bin_ids, weights=problem.tokens[flat], minlength=len(bins))
     over = totals > constraints.seq_len

@@ -137,8 +137,8 @@ class Planner:
         ``PlanningError`` when the algorithm returns an invalid layout.
         """
         step = check_int("step", step, minimum=0)
-        keys, metas = self._canonical_samples(samples)
-        index = {fields: i for i, fields in enumerate(map(_KEY_FIELDS, keys))}
+        keys, metas, fields = self._canonical_samples(samples)
+        index = dict(zip(fields, range(len(fields)), strict=True))
         if len(index) != len(keys):
             self._raise_duplicate(keys)
         tokens = np.fromiter((m.tokens for m in metas), dtype=np.int64, count=len(metas))
@@ -201,7 +201,7 @@ class Planner:
 
     def _canonical_samples(
         self, samples: Iterable[tuple[SampleKey, SampleMetadata]]
-    ) -> tuple[tuple[SampleKey, ...], list[SampleMetadata]]:
+    ) -> tuple[tuple[SampleKey, ...], list[SampleMetadata], list[tuple[int, int, int]]]:
         given: object = samples
         if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
             raise TypeError(
@@ -230,7 +230,7 @@ class Planner:
         order = sorted(range(len(items)), key=fields.__getitem__)
         keys = tuple(items[i][0] for i in order)
         metas = [items[i][1] for i in order]
-        return keys, metas
+        return keys, metas, [fields[i] for i in order]
 
     @staticmethod
     def _raise_duplicate(keys: Sequence[SampleKey]) -> None:
@@ -287,7 +287,7 @@ class Planner:
                 f"{len(reference_bins)}; pass the source layout rank-major."
             )
         out: list[tuple[int, ...]] = []
-        seen = np.zeros(len(keys), dtype=np.int64)
+        missing_value = itertools.repeat(-1)
         for b, items in enumerate(reference_bins):
             bin_value: object = items
             if (
@@ -301,7 +301,7 @@ class Planner:
                     f"got {items!r:.80}; every source bin holds at least one sample."
                 )
             try:
-                positions = tuple(index.get(f, -1) for f in map(_KEY_FIELDS, items))
+                positions = tuple(map(index.get, map(_KEY_FIELDS, items), missing_value))
             except AttributeError:
                 bad = next(k for k in items if not isinstance(k, SampleKey))
                 raise TypeError(
@@ -314,7 +314,8 @@ class Planner:
                     "reference_bins must list exactly the keys of samples."
                 )
             out.append(positions)
-            np.add.at(seen, np.asarray(positions, dtype=np.int64), 1)
+        flat = np.fromiter(itertools.chain.from_iterable(out), dtype=np.int64)
+        seen = np.bincount(flat, minlength=len(keys))
         if not np.all(seen == 1):
             twice = np.flatnonzero(seen > 1)
             if twice.size:

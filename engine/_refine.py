@@ -41,6 +41,7 @@ its components.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -132,7 +133,7 @@ def _default_budget(problem: BalanceProblem) -> int:
 def _deal_bins(problem: BalanceProblem, bins: list[list[int]]) -> list[list[int]]:
     """Whole bins dealt heaviest first to the least-loaded rank that still lacks a bin."""
     sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-    flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+    flat = np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
     bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
     bin_costs = np.bincount(bin_ids, weights=problem.costs[flat], minlength=len(bins))
     order = np.lexsort((np.arange(len(bins)), -bin_costs)).tolist()
@@ -170,7 +171,9 @@ class _Search:
         self.members = [list(b) for b in bins]
         nb = len(bins)
         sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=nb)
-        flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+        flat = np.fromiter(
+            itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum())
+        )
         bin_ids = np.repeat(np.arange(nb, dtype=np.int64), sizes)
         self.bin_of = np.empty(problem.num_samples, dtype=np.int64)
         self.bin_of[flat] = bin_ids
