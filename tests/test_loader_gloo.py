@@ -36,8 +36,12 @@ def _bins(rank: int, epoch: int, step: int) -> list[list[dict[str, Any]]]:
         sizes = rng.integers(40, 60, size=2) if long else rng.integers(2, 16, size=4)
         b = []
         for n in sizes:
-            b.append({"id": [rank, step, i], "input_ids": np.full(int(n), rank * 100 + i,
-                                                                   dtype=np.int32)})
+            b.append(
+                {
+                    "id": [rank, step, i],
+                    "input_ids": np.full(int(n), rank * 100 + i, dtype=np.int32),
+                }
+            )
             i += 1
         bins.append(b)
     return bins
@@ -75,8 +79,9 @@ def _loader(rank: int, kind: str, source: Any, **cfg: Any) -> Any:
 
     transport = GlooTransport(timeout=10.0) if kind == "gloo" else DeviceTransport(timeout=10.0)
     config = LoaderConfig(seq_len=128, bins_per_rank=2, log_stats=False, **cfg)
-    return BalancedLoader(source, config=config, transport=transport, pack_fn=_ids_pack,
-                          cost_model="quadratic")
+    return BalancedLoader(
+        source, config=config, transport=transport, pack_fn=_ids_pack, cost_model="quadratic"
+    )
 
 
 def _rank_run(rank: int, num_ranks: int, kind: str, mode: str) -> dict[str, Any]:
@@ -91,6 +96,7 @@ def _rank_run(rank: int, num_ranks: int, kind: str, mode: str) -> dict[str, Any]
                 batches.append(batch)
                 moved += loader.last_stats.num_moved
     else:
+
         async def run() -> list[Any]:
             out = []
             async with loader:
@@ -108,15 +114,17 @@ def _rank_run(rank: int, num_ranks: int, kind: str, mode: str) -> dict[str, Any]
 def _check_conserved(results: list[dict[str, Any]], n: int) -> None:
     for step in range(STEPS):
         got = [tuple(sid) for r in range(n) for b in results[r]["batches"][step] for sid in b]
-        expected = {(r, step, i) for r in range(n) for i in range(
-            sum(len(b) for b in _bins(r, 0, step)))}
+        expected = {
+            (r, step, i) for r in range(n) for i in range(sum(len(b) for b in _bins(r, 0, step)))
+        }
         assert len(got) == len(set(got)) and set(got) == expected, f"step {step}"
     assert results[0]["moved"] > 0, "the skewed workload should move samples"
     assert len({r["moved"] for r in results}) == 1
 
 
-@pytest.mark.parametrize(("kind", "mode"), [("gloo", "sync"), ("gloo", "async"),
-                                            ("device", "sync")])
+@pytest.mark.parametrize(
+    ("kind", "mode"), [("gloo", "sync"), ("gloo", "async"), ("device", "sync")]
+)
 def test_two_processes_conserve_every_sample(pool2: RankPool, kind: str, mode: str) -> None:
     _check_conserved(pool2.run(_rank_run, kind, mode, deadline=90.0), 2)
 
@@ -135,8 +143,14 @@ def _rank_fail(rank: int, num_ranks: int) -> dict[str, Any]:
             for _ in loader:
                 steps += 1
     except RemoteStageError as exc:
-        return {"steps": steps, "kind": "remote", "rank": exc.failed_rank, "stage": exc.stage,
-                "step": exc.step, "text": str(exc)}
+        return {
+            "steps": steps,
+            "kind": "remote",
+            "rank": exc.failed_rank,
+            "stage": exc.stage,
+            "step": exc.step,
+            "text": str(exc),
+        }
     except KeyError as exc:
         return {"steps": steps, "kind": "own", "text": str(exc)}
     return {"steps": steps, "kind": "none"}
@@ -170,20 +184,26 @@ def _rank_resume(rank: int, num_ranks: int, state: dict[str, Any], depth: int) -
 
 
 @pytest.mark.parametrize("which", ["pool2", "pool4"])
-def test_resume_in_fresh_processes_replays_the_tail(which: str,
-                                                     request: pytest.FixtureRequest) -> None:
+def test_resume_in_fresh_processes_replays_the_tail(
+    which: str, request: pytest.FixtureRequest
+) -> None:
     pool: RankPool = request.getfixturevalue(which)
     n = pool.num_ranks
     recorded = pool.run(_rank_record, deadline=90.0)
     for k in (0, 1, 5, STEPS - 1):
         for depth in (1, 4):
             # Each rank gets its own state: run one call per rank layout via a per-rank table.
-            tails = pool.run(_rank_resume_from_table, [recorded[r]["states"][k]
-                                                       for r in range(n)], depth, deadline=90.0)
+            tails = pool.run(
+                _rank_resume_from_table,
+                [recorded[r]["states"][k] for r in range(n)],
+                depth,
+                deadline=90.0,
+            )
             for r in range(n):
-                assert tails[r] == recorded[r]["batches"][k + 1:], f"rank {r} k={k} depth={depth}"
+                assert tails[r] == recorded[r]["batches"][k + 1 :], f"rank {r} k={k} depth={depth}"
 
 
-def _rank_resume_from_table(rank: int, num_ranks: int, states: list[dict[str, Any]],
-                            depth: int) -> list[Any]:
+def _rank_resume_from_table(
+    rank: int, num_ranks: int, states: list[dict[str, Any]], depth: int
+) -> list[Any]:
     return _rank_resume(rank, num_ranks, states[rank], depth)

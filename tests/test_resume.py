@@ -71,18 +71,26 @@ class PlainSource:
 
 def _loaders(n: int, kind: type, depth: int, **cfg: Any) -> list[BalancedLoader]:
     group = InProcessGroup(n, timeout=20.0)
-    config = LoaderConfig(seq_len=cfg.pop("seq_len", SEQ_LEN), bins_per_rank=2,
-                          prefetch_depth=depth, log_stats=False, **cfg)
-    return [BalancedLoader(kind(r), config=config, transport=group.transport(r),
-                           cost_model="quadratic") for r in range(n)]
+    config = LoaderConfig(
+        seq_len=cfg.pop("seq_len", SEQ_LEN),
+        bins_per_rank=2,
+        prefetch_depth=depth,
+        log_stats=False,
+        **cfg,
+    )
+    return [
+        BalancedLoader(kind(r), config=config, transport=group.transport(r), cost_model="quadratic")
+        for r in range(n)
+    ]
 
 
 def _flat(batch: list[dict[str, Any]]) -> list[bytes]:
     return [b["input_ids"].numpy().tobytes() + b["cu_seqlens"].numpy().tobytes() for b in batch]
 
 
-async def _record(n: int, kind: type, depth: int = 2
-                  ) -> tuple[list[list[list[bytes]]], list[list[dict[str, Any]]]]:
+async def _record(
+    n: int, kind: type, depth: int = 2
+) -> tuple[list[list[list[bytes]]], list[list[dict[str, Any]]]]:
     """Every batch delivered and the state saved after every step, per rank."""
     loaders = _loaders(n, kind, depth)
 
@@ -98,8 +106,9 @@ async def _record(n: int, kind: type, depth: int = 2
     return [o[0] for o in out], [o[1] for o in out]
 
 
-async def _resume(n: int, kind: type, depth: int, states: list[dict[str, Any]]
-                  ) -> list[list[list[bytes]]]:
+async def _resume(
+    n: int, kind: type, depth: int, states: list[dict[str, Any]]
+) -> list[list[list[bytes]]]:
     loaders = _loaders(n, kind, depth)
     for loader, state in zip(loaders, states, strict=True):
         loader.load_state_dict(state)
@@ -121,13 +130,13 @@ async def test_resume_after_step_k_replays_the_tail_bitwise(kind: type, n: int) 
         for depth in (1, 2, 4):
             tail = await _resume(n, kind, depth, [states[r][k] for r in range(n)])
             for r in range(n):
-                assert tail[r] == recorded[r][k + 1:], f"rank {r}, k={k}, depth={depth}"
+                assert tail[r] == recorded[r][k + 1 :], f"rank {r}, k={k}, depth={depth}"
 
 
 @pytest.mark.asyncio
 async def test_prefetched_steps_are_never_counted_as_consumed() -> None:
     loaders = _loaders(2, StatefulSource, depth=4)
-    sources = [ld._source for ld in loaders]  # noqa: SLF001 - inspecting the test's own source
+    sources = [ld._source for ld in loaders]
 
     async def one(loader: BalancedLoader) -> dict[str, Any]:
         async for _ in loader:

@@ -1,0 +1,194 @@
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+from evenflow.engine import _bench_planner
+from evenflow.engine._bench_planner import _run_exact, _solve_exact, main
+
+try:
+    import scipy.optimize  # noqa: F401
+
+    _HAVE_SCIPY = True
+except ImportError:  # scipy is the optional 'bench' extra
+    _HAVE_SCIPY = False
+
+needs_scipy = pytest.mark.skipif(not _HAVE_SCIPY, reason="scipy (the 'bench' extra) is missing")
+
+
+def _run(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@needs_scipy
+def test_quick_json_run_reports_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, ["--quick", "--json"])
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["benchmark"] == "planner"
+    assert doc["ok"] is True
+    checks = doc["checks"]
+    assert checks["violations"] == 0
+    assert checks["num_steps"] == len(doc["cases"]) * 2
+    assert 0.0 <= checks["bfd_strictly_better_fraction"]["default"] <= 1.0
+    assert checks["firstfit_mean_reduction_vs_lpt"] >= 0.0
+    assert {c["distribution"] for c in doc["cases"]} == {"longctx", "pretrain", "sft"}
+    assert {c["packer"] for c in doc["cases"]} == {"bfd", "firstfit"}
+    for case in doc["cases"]:
+        for name in ("lpt", "default"):
+            record = case[name]
+            assert set(record) == {
+                "ratio",
+                "rejected",
+                "fallbacks",
+                "strictly_better",
+                "plan_ms",
+                "plan_cpu_ms",
+            }
+            # The ratio is to a lower bound: no layout can go below it.
+            assert record["ratio"]["p50"] >= 1 - 1e-9
+            assert record["ratio"]["p50"] <= record["ratio"]["p90"] <= record["ratio"]["max"]
+            assert record["plan_ms"]["p50"] > 0
+        assert case["default"]["ratio"]["max"] <= case["source_ratio"]["max"] * (1 + 1e-9)
+    targets = doc["timing_targets"]
+    assert [(t["num_ranks"], t["statistic"]) for t in targets] == [(8, "p99"), (1024, "p50")]
+    assert targets[0]["status"] in ("PASS", "MISS")
+    assert targets[1]["status"] == "NOT RUN"
+    exact = doc["exact"]
+    assert exact["num_instances"] == 4
+    assert exact["below_optimum"] == 0
+    for name in ("lpt", "default"):
+        assert 0.0 <= exact["gap"][name]["p50"] <= exact["gap"][name]["max"]
+
+
+def test_table_output_names_checks_and_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(
+        capsys, ["--quick", "--bins", "2", "--distributions", "sft", "--exact-instances", "0"]
+    )
+    assert code == 0
+    assert "invariant default <= min(source, lpt): 0 violations" in out
+    assert "target p99 <= 5 ms at 8 ranks x 4 bins" in out
+    assert "exact optimum: skipped" in out
+    assert "sft" in out
+    assert "pretrain" not in out
+
+
+def test_huge_shapes_are_skipped_and_listed() -> None:
+    args = _bench_planner._build_parser("x").parse_args(["--ranks", "2048", "--bins", "16"])
+    cases, skipped = _bench_planner._sweep(args)
+    assert cases == []
+    assert skipped[0]["num_ranks"] == 2048
+    assert "--no-skip" in skipped[0]["reason"]
+    args = _bench_planner._build_parser("x").parse_args(["--ranks", "1024", "--bins", "1"])
+    cases, skipped = _bench_planner._sweep(args)
+    assert {c.linear for c in cases} == {0.0, 24576.0}
+    assert [s["linear"] for s in skipped] == [4096.0]
+    args = _bench_planner._build_parser("x").parse_args(["--ranks", "1024", "--no-skip"])
+    cases, skipped = _bench_planner._sweep(args)
+    assert skipped == []
+    assert {c.bins_per_rank for c in cases} == {1, 4, 16}
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--ranks", "0"], "--ranks values must be >= 1"),
+        (["--linear", "-1"], "--linear values must be finite and >= 0"),
+        (["--steps", "0"], "--steps must be >= 1"),
+        (["--distributions", "chat"], "invalid choice"),
+    ],
+)
+def test_bad_arguments_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], match: str
+) -> None:
+    code, _, err = _run(capsys, argv)
+    assert code == 2
+    assert match in err
+
+
+def test_invariant_violation_exits_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from evenflow.engine import _planner
+
+    real = _planner.Planner
+
+    class WorseDefault(real):  # type: ignore[misc, valid-type]
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._worse = kwargs["algorithm"].name != "lpt"
+
+        def plan(self, *args: Any) -> Any:
+            plan = super().plan(*args)
+            if not self._worse:
+                return plan
+            costs = tuple(c * 2 + 1 for c in plan.source_rank_costs)
+            return dataclasses.replace(plan, rank_costs=costs)
+
+    monkeypatch.setattr(_planner, "Planner", WorseDefault)
+    code, out, _ = _run(
+        capsys, ["--quick", "--json", "--bins", "1", "--linear", "0", "--exact-instances", "0"]
+    )
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False
+    assert doc["checks"]["violations"] == doc["checks"]["num_steps"] > 0
+
+
+def test_missing_scipy_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "scipy.optimize", None)
+    result = _run_exact(object(), num_instances=3, seed=0)
+    assert result["num_instances"] == 0
+    assert "pip install 'evenflow[bench]'" in result["skipped"]
+
+
+def _brute_force(tokens: list[int], costs: list[float], seq_len: int) -> float:
+    """Minimum makespan over every rank assignment (4 ranks x 2 bins), by enumeration."""
+    n = len(tokens)
+    splittable = {}
+    for mask in range(1 << n):
+        members = [s for s in range(n) if mask >> s & 1]
+        splittable[mask] = len(members) >= 2 and any(
+            sum(tokens[s] for s in part) <= seq_len
+            and sum(tokens[s] for s in members if s not in part) <= seq_len
+            for k in range(1, len(members))
+            for part in itertools.combinations(members, k)
+        )
+    lookup = np.array([splittable[m] for m in range(1 << n)])
+    assignment = np.indices((4,) * n).reshape(n, -1).T  # every rank assignment, one per row
+    bits = 1 << np.arange(n)
+    feasible = np.ones(len(assignment), dtype=bool)
+    loads = np.zeros((len(assignment), 4))
+    for r in range(4):
+        on_rank = assignment == r
+        feasible &= lookup[(on_rank * bits).sum(axis=1)]
+        loads[:, r] = on_rank @ np.asarray(costs)
+    return float(loads.max(axis=1)[feasible].min())
+
+
+@needs_scipy
+def test_exact_solver_matches_enumeration() -> None:
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        tokens = [int(t) for t in rng.integers(1, 700, size=9)]
+        costs = [100.0 * t + float(t) ** 2 for t in tokens]
+        optimum, proven = _solve_exact(tokens, costs, 1000)
+        assert proven
+        assert optimum == pytest.approx(_brute_force(tokens, costs, 1000), rel=1e-3)
+
+
+@needs_scipy
+def test_exact_solver_pairs_single_sample_bins() -> None:
+    # 8 samples in 8 bins: every bin holds one sample, so ranks hold pairs; the best pairing
+    # of these costs is (4,1) (3,1) (3,2) (2,2), makespan 5.
+    optimum, proven = _solve_exact([9] * 8, [4.0, 3.0, 3.0, 2.0, 2.0, 2.0, 1.0, 1.0], 10)
+    assert proven
+    assert optimum == pytest.approx(5.0)
