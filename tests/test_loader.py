@@ -411,3 +411,34 @@ def test_trace_summary_reports_the_callers_stall() -> None:
         caller = summary["caller"]
         assert caller["wait"]["count"] == 7  # six steps and the final StopIteration
         assert 0.0 <= caller["data_stall_fraction"] <= 1.0
+
+
+@pytest.mark.asyncio
+async def test_tracing_records_every_stage_as_valid_chrome_json(tmp_path: Any) -> None:
+    import json
+
+    from evenflow.engine import Tracer
+
+    group = InProcessGroup(2, timeout=20.0)
+    config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False)
+    loaders = [
+        BalancedLoader(
+            StepSource(r),
+            config=config,
+            transport=group.transport(r),
+            pack_fn=ids_pack,
+            cost_model="quadratic",
+            tracer=Tracer(chrome=tmp_path / "trace-{rank}.json"),
+        )
+        for r in range(2)
+    ]
+    await run_async(loaders)
+    for r in range(2):
+        summary = loaders[r].trace_summary()
+        for stage in ("read", "gather", "plan", "exchange", "pack", "wait", "compute"):
+            assert summary["stages"][stage]["count"] >= 5, stage
+        events = json.loads((tmp_path / f"trace-{r}.json").read_text())["traceEvents"]
+        spans = [e for e in events if e.get("ph") == "X"]
+        assert {e["pid"] for e in spans} == {r}
+        assert {"read", "gather", "plan", "exchange", "pack"} <= {e["name"] for e in spans}
+        assert all(e["dur"] >= 0 for e in spans)

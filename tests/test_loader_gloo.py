@@ -207,3 +207,13 @@ def _rank_resume_from_table(
     rank: int, num_ranks: int, states: list[dict[str, Any]], depth: int
 ) -> list[Any]:
     return _rank_resume(rank, num_ranks, states[rank], depth)
+
+
+def test_resume_in_a_fresh_set_of_processes(pool2: RankPool) -> None:
+    from evenflow.transports.launch import run_ranks
+
+    recorded = pool2.run(_rank_record, deadline=90.0)
+    states = [recorded[r]["states"][4] for r in range(2)]
+    tails = run_ranks(_rank_resume_from_table, 2, args=(states, 2), deadline=120.0, timeout=10.0)
+    for r in range(2):
+        assert tails[r] == recorded[r]["batches"][5:]
