@@ -19,6 +19,7 @@ _LAZY: dict[str, str] = {
     "FlopsCost": "evenflow.engine._flops",
     # balancing
     "BalancingAlgorithm": "evenflow.engine._algorithms",
+    "BalanceProblem": "evenflow.engine._algorithms",
     "LPTAlgorithm": "evenflow.engine._algorithms",
     "RefineAlgorithm": "evenflow.engine._algorithms",
     "Planner": "evenflow.engine._planner",
@@ -37,6 +38,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "BalanceDecision",
+    "BalanceProblem",
     "BalancedLoader",
     "BalancingAlgorithm",
     "BinPlan",

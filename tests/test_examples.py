@@ -1,0 +1,128 @@
+"""Every script in ``examples/`` runs, with tiny settings, under a deadline.
+
+Each example is run as its users run it (a fresh ``python`` process, or ``torchrun`` for the
+DDP example) and its output is checked for what the example claims to show.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+DEADLINE_S = 120.0  # generous: a 2-core machine running other tests is slow to import torch
+
+
+def _run(args: list[str], cwd: Path) -> str:
+    """Run ``args``; return stdout, failing with the combined output on a non-zero exit."""
+    try:
+        done = subprocess.run(
+            args, cwd=cwd, capture_output=True, text=True, timeout=DEADLINE_S, check=False
+        )
+    except subprocess.TimeoutExpired as exc:  # subprocess.run killed the child
+        output = f"{exc.stdout!r}\n{exc.stderr!r}"
+        pytest.fail(f"{args} did not finish within {DEADLINE_S:g} s:\n{output}")
+    assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def _example(name: str, *options: str) -> list[str]:
+    return [sys.executable, str(EXAMPLES / name), *options]
+
+
+def test_every_example_is_tested() -> None:
+    tested = {
+        "ddp_sync_torchrun.py",
+        "async_loop_with_hooks.py",
+        "custom_transport.py",
+        "tracing_perfetto.py",
+        "resume_checkpoint.py",
+    }
+    assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+@pytest.mark.multiprocess
+def test_ddp_sync_torchrun(tmp_path: Path) -> None:
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "ddp_sync_torchrun.py"),
+            "--steps",
+            "3",
+        ],
+        tmp_path,
+    )
+    lines = re.findall(r"step (\d+): loss [\d.]+, max cost (\S+) -> (\S+), moved (\d+)", out)
+    assert [int(step) for step, *_ in lines] == [0, 1, 2], out
+    for _, before, after, moved in lines:
+        # Rank 0 reads the long samples: balancing lowers the slowest rank's cost.
+        assert float(after) < float(before) and int(moved) > 0, out
+
+
+def test_async_loop_with_hooks(tmp_path: Path) -> None:
+    out = _run(_example("async_loop_with_hooks.py", "--steps", "3"), tmp_path)
+    steps = re.findall(r"rank (\d) step (\d): trains \d+ tokens; slowest rank (\S+) -> (\S+),", out)
+    assert sorted((int(r), int(s)) for r, s, *_ in steps) == [
+        (r, s) for r in (0, 1) for s in (0, 1, 2)
+    ]
+    assert all(float(after) < float(before) for *_, before, after in steps), out
+    assert len(re.findall(r"rank \d: waited [\d.]+ ms for data, computed [\d.]+ ms", out)) == 2
+
+
+def test_custom_transport(tmp_path: Path) -> None:
+    out = _run(_example("custom_transport.py", "--steps", "2"), tmp_path)
+    assert "CountingTransport passed check_transport on 2 ranks" in out
+    counts = {
+        int(rank): (int(sent), int(received))
+        for rank, sent, received in re.findall(
+            r"rank (\d): 2 steps, sent (\d+) bytes, received (\d+) bytes", out
+        )
+    }
+    assert set(counts) == {0, 1}, out
+    # With two ranks, what one sends is what the other receives.
+    assert counts[0][0] == counts[1][1] > 0 and counts[1][0] == counts[0][1] > 0
+    # Rank 0 holds the long samples, so it sends more than it receives.
+    assert counts[0][0] > counts[0][1]
+
+
+def test_tracing_perfetto(tmp_path: Path) -> None:
+    out = _run(
+        _example("tracing_perfetto.py", "--out", str(tmp_path / "traces"), "--steps", "3"),
+        tmp_path,
+    )
+    merged = json.loads((tmp_path / "traces" / "merged.json").read_text())
+    spans = [e for e in merged["traceEvents"] if e.get("ph") == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    stages = {e["name"] for e in spans}
+    assert {"read", "gather", "plan", "exchange", "pack", "wait", "compute"} <= stages
+    for rank in (0, 1):
+        jsonl = (tmp_path / "traces" / f"trace-rank{rank}.jsonl").read_text().splitlines()
+        assert {json.loads(line)["rank"] for line in jsonl} == {rank}
+    for stage in ("read", "gather", "plan", "exchange", "pack", "wait", "compute"):
+        assert re.search(rf"^  {stage}\s+\d+", out, re.MULTILINE), out
+    assert "rank 0 data stall:" in out
+
+
+def test_resume_checkpoint(tmp_path: Path) -> None:
+    out = _run(
+        _example(
+            "resume_checkpoint.py", "--out", str(tmp_path), "--steps", "4", "--stop-after", "2"
+        ),
+        tmp_path,
+    )
+    for mode in ("stateful", "stateless"):
+        assert (
+            f"{mode}: stopped after 2 of 4 steps, resumed; batches equal to the uninterrupted "
+            "run on every rank: True"
+        ) in out
+    assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
