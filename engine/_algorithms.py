@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -107,13 +108,12 @@ class BalanceProblem:
 
     def rank_of(self, bins: Sequence[Sequence[int]]) -> np.ndarray:
         """Destination rank of every sample under the rank-major layout ``bins``."""
-        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-        flat = np.fromiter(
-            itertools.chain.from_iterable(bins),
-            dtype=np.int64,
-            count=int(sizes.sum(dtype=np.int64)),
-        )
-        ranks = np.repeat(np.arange(len(bins), dtype=np.int64) // self.bins_per_rank, sizes)
+        flat, sizes = _flatten(bins)
+        return self._rank_of_flat(flat, sizes)
+
+    def _rank_of_flat(self, flat: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+        """:meth:`rank_of` for a layout already flattened by :func:`_flatten`."""
+        ranks = np.repeat(np.arange(sizes.size, dtype=np.int64) // self.bins_per_rank, sizes)
         out = np.full(self.num_samples, -1, dtype=np.int64)
         out[flat] = ranks
         return out
@@ -133,6 +133,22 @@ class BalanceProblem:
         return float(self.objective(self.rank_costs(bins)))
 
 
+def _flatten(bins: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """A layout as ``(flat, sizes)``: every index in bin order, and each bin's length."""
+    sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum(dtype=np.int64))
+    )
+    return flat, sizes
+
+
+def _split(flat: np.ndarray, sizes: np.ndarray) -> list[list[int]]:
+    """Inverse of :func:`_flatten`: the layout as lists (one C-level slice per bin)."""
+    values: list[int] = flat.tolist()
+    ends: list[int] = np.cumsum(sizes).tolist()
+    return [values[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+
+
 def first_infeasible_bin(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> int:
     """Index of the first bin that breaks the packing constraints, or -1 when all hold.
 
@@ -142,11 +158,17 @@ def first_infeasible_bin(problem: BalanceProblem, bins: Sequence[Sequence[int]])
     so this vectorised check and that replay never disagree on a bin at the edge of a
     budget. Bins must be non-empty and hold valid indices (checked by the caller).
     """
+    flat, sizes = _flatten(bins)
+    return _first_infeasible_flat(problem, flat, sizes)
+
+
+def _first_infeasible_flat(problem: BalanceProblem, flat: np.ndarray, sizes: np.ndarray) -> int:
+    """:func:`first_infeasible_bin` for a layout already flattened by :func:`_flatten`."""
     constraints = problem.constraints
-    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-    flat = np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
-    bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
-    totals = np.bincount(bin_ids, weights=problem.tokens[flat], minlength=len(bins))
+    num_bins = sizes.size
+    starts = np.cumsum(sizes) - sizes
+    # Bins are non-empty, so reduceat sums each bin exactly, in int64.
+    totals = np.add.reduceat(problem.tokens[flat], starts) if flat.size else np.zeros(num_bins)
     over = totals > constraints.seq_len
     if constraints.oversized_policy == "single":
         over &= sizes != 1
@@ -156,10 +178,11 @@ def first_infeasible_bin(problem: BalanceProblem, bins: Sequence[Sequence[int]])
         # Column by column (the p-th sample of every bin at once) keeps the per-bin
         # summation order sequential; prefix sums of non-negative values only grow, so the
         # final sum decides.
-        position = np.arange(flat.size, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        bin_ids = np.repeat(np.arange(num_bins, dtype=np.int64), sizes)
+        position = np.arange(flat.size, dtype=np.int64) - np.repeat(starts, sizes)
         order = np.argsort(position, kind="stable")
         bounds = np.searchsorted(position[order], np.arange(int(sizes.max()) + 1))
-        sums = np.zeros((len(bins), limits.size), dtype=np.float64)
+        sums = np.zeros((num_bins, limits.size), dtype=np.float64)
         values = problem.budget_costs
         for p in range(bounds.size - 1):
             chunk = order[bounds[p] : bounds[p + 1]]
@@ -242,50 +265,65 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     # up, so this never hides a feasible rank, and with costs that grow with length (tokens
     # then only shrink along the order) each rank is parked and released a bounded number of
     # times instead of being re-examined for every sample.
-    room = [seq_len - min(row) for row in bin_tokens]
+    rest = order[num_bins:]
+    if any(tokens[i] > seq_len for i in rest):
+        return None  # an oversized sample needs an empty bin; none is left after phase 1
+    # Fill of each rank's emptiest bin (a rank can take t tokens iff it is <= seq_len - t).
+    # Two sentinel ranks of infinite load sit below every real entry, so heap[1] and
+    # heap[2] always exist and popping a sentinel means no real rank is feasible.
+    emptiest = [min(row) for row in bin_tokens] + [seq_len + 1, seq_len + 1]
+    heap.extend([(math.inf, 0, num_ranks), (math.inf, 0, num_ranks + 1)])
     parked: list[tuple[int, tuple[float, int, int]]] = []
     skipped: list[tuple[float, int, int]] = []
-    heappop, heappush = heapq.heappop, heapq.heappush
-    for i in order[num_bins:]:
-        t = tokens[i]
-        if t > seq_len:
-            return None  # an oversized sample needs an empty bin; none is left
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    rest_tokens = [tokens[i] for i in rest]
+    rest_costs = [costs[i] for i in rest]
+    for i, t, c in zip(rest, rest_tokens, rest_costs, strict=True):
         while parked and -parked[0][0] >= t:
             heappush(heap, heappop(parked)[1])
         limit = seq_len - t
+        entry = heap[0]
+        r = entry[2]
+        load = entry[0]
+        if not budgets and emptiest[r] <= limit and heap[1][0] != load and heap[2][0] != load:
+            # The common case, one heap operation: the lightest rank fits the sample and no
+            # other rank ties it on load (the next-lightest is one of the root's children).
+            row_tokens = bin_tokens[r]
+            fill = -1
+            slot = 0
+            for p, v in enumerate(row_tokens):
+                if limit >= v > fill:
+                    fill = v
+                    slot = p
+            row_tokens[slot] = fill + t
+            emptiest[r] = min(row_tokens)
+            bins[r * per_rank + slot].append(i)
+            heapreplace(heap, (load + c, entry[1] + t, r))
+            continue
         row = budget_rows[i] if budgets else None
         # The first rank (in load order) with a feasible bin, and its best bin.
         while True:
-            if not heap:
-                return None
             entry = heappop(heap)
             r = entry[2]
-            if room[r] < t:
-                heappush(parked, (-room[r], entry))
+            if r >= num_ranks:
+                return None  # a sentinel: every real rank is parked or skipped
+            if emptiest[r] > limit:
+                heappush(parked, (emptiest[r] - seq_len, entry))
                 continue
-            if row is None:
-                # Inlined best fit: room[r] >= t guarantees a slot.
-                fill = -1
-                slot = 0
-                for p, v in enumerate(bin_tokens[r]):
-                    if limit >= v > fill:
-                        fill = v
-                        slot = p
-                break
             slot = _best_bin(bin_tokens[r], limit, row, bin_budget[r], budgets)
             if slot >= 0:
                 break
             skipped.append(entry)  # tokens fit but a budget does not
-        if heap and heap[0][0] == entry[0]:
+        if heap[0][0] == entry[0]:
             # Ranks tied on load: the smallest (capacity left, tokens, rank, bin) wins.
             best = (limit - bin_tokens[r][slot], entry[1], r, slot)
             best_entry = entry
-            while heap and heap[0][0] == best_entry[0]:
+            while heap[0][0] == best_entry[0]:
                 other = heappop(heap)
                 q = other[2]
                 other_slot = (
                     _best_bin(bin_tokens[q], limit, row, bin_budget[q], budgets)
-                    if room[q] >= t
+                    if emptiest[q] <= limit
                     else -1
                 )
                 candidate = (limit - bin_tokens[q][other_slot], other[1], q, other_slot)
@@ -298,12 +336,12 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
         bins[r * per_rank + slot].append(i)
         row_tokens = bin_tokens[r]
         row_tokens[slot] += t
-        room[r] = seq_len - min(row_tokens)
+        emptiest[r] = min(row_tokens)
         if row is not None:
             acc = bin_budget[r][slot]
             for k, value in enumerate(row):
                 acc[k] += value
-        heappush(heap, (entry[0] + costs[i], entry[1] + t, r))
+        heappush(heap, (entry[0] + c, entry[1] + t, r))
         if skipped:
             for other in skipped:
                 heappush(heap, other)

@@ -94,8 +94,21 @@ def plan_digest(step: int, seq_len: int, bins: list[list[SampleKey]], bins_per_r
         (v for b in bins for key in b for v in (key.source_rank, key.step, key.index)),
         dtype=np.int64,
     )
+    return _digest_arrays(step, seq_len, sizes, flat, bins_per_rank)
+
+
+def _digest_arrays(
+    step: int, seq_len: int, sizes: np.ndarray, key_fields: np.ndarray, bins_per_rank: int
+) -> str:
+    """:func:`plan_digest` from arrays: ``sizes`` per bin, ``key_fields`` the keys' fields.
+
+    ``key_fields`` holds ``(source_rank, step, index)`` of every key in bin order, as an
+    ``(n, 3)`` or flat int64 array. Hashes exactly the bytes :func:`plan_digest` hashes, so
+    the planner (which has the arrays) and a rank rebuilding a broadcast plan (which has
+    keys) agree on the digest.
+    """
     h = hashlib.sha256()
-    h.update(np.array([step, seq_len, len(bins), bins_per_rank], dtype=np.int64).tobytes())
-    h.update(sizes.tobytes())
-    h.update(flat.tobytes())
+    h.update(np.array([step, seq_len, len(sizes), bins_per_rank], dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(sizes, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(key_fields, dtype=np.int64).tobytes())
     return h.hexdigest()[:24]

@@ -15,25 +15,29 @@ import itertools
 import math
 import operator
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from evenflow.engine._algorithms import (
     BalanceProblem,
     BalancingAlgorithm,
-    first_infeasible_bin,
+    _first_infeasible_flat,
     resolve_algorithm,
 )
 from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._objectives import resolve_objective
-from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, plan_digest
+from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, _digest_arrays
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 
 __all__ = ["Planner"]
 
 _KEY_FIELDS = operator.attrgetter("source_rank", "step", "index")
+_TOKENS = operator.attrgetter("tokens")
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+_INT64_MAX = 2**63 - 1
 
 
 class Planner:
@@ -86,7 +90,7 @@ class Planner:
             getattr(self.algorithm, "algorithm_id", type(self.algorithm).__qualname__)
         )
         self._last_keys: tuple[SampleKey, ...] = ()
-        self._last_values: list[float] = []
+        self._last_values: np.ndarray = np.zeros(0, dtype=np.float64)
         self._last_costs: dict[SampleKey, float] | None = {}
 
     def __repr__(self) -> str:
@@ -104,7 +108,8 @@ class Planner:
     def last_costs(self) -> dict[SampleKey, float]:
         """Predicted cost of every sample of the last planned step (built on first access)."""
         if self._last_costs is None:
-            self._last_costs = dict(zip(self._last_keys, self._last_values, strict=True))
+            values: list[float] = self._last_values.tolist()
+            self._last_costs = dict(zip(self._last_keys, values, strict=True))
         return self._last_costs
 
     def identity(self) -> dict[str, Any]:
@@ -138,12 +143,9 @@ class Planner:
         """
         step = check_int("step", step, minimum=0)
         keys, metas, fields = self._canonical_samples(samples)
-        index = dict(zip(fields, range(len(fields)), strict=True))
-        if len(index) != len(keys):
-            self._raise_duplicate(keys)
-        tokens = np.fromiter((m.tokens for m in metas), dtype=np.int64, count=len(metas))
+        tokens = np.fromiter(map(_TOKENS, metas), dtype=np.int64, count=len(metas))
         budget_costs = self._budget_costs(keys, metas, tokens)
-        source = self._source_bins(reference_bins, keys, index)
+        source, source_flat, source_sizes = self._source_bins(reference_bins, keys, fields)
         costs, rank_cost_fn = self._costs(keys, metas)
         problem = BalanceProblem(
             keys=keys,
@@ -157,25 +159,27 @@ class Planner:
             objective=self.objective,
             rank_cost_fn=rank_cost_fn,
         )
-        self._check_feasible(problem, source, keys, metas, who="reference_bins")
-        self._last_keys, self._last_values, self._last_costs = keys, costs.tolist(), None
+        self._check_feasible(problem, source_flat, source_sizes, keys, metas, who="reference_bins")
+        self._last_keys, self._last_values, self._last_costs = keys, costs, None
 
-        source_rank = problem.rank_of(source)
+        source_rank = problem._rank_of_flat(source_flat, source_sizes)
         source_costs = problem.rank_costs_of(source_rank)
         original = self._score(source_costs)
         candidate = self.algorithm.assign(problem)
+        flat, sizes, dest_rank = source_flat, source_sizes, source_rank
         if candidate is None:
-            bins: Sequence[Sequence[int]] = source
             candidate_costs = source_costs
             candidate_score = original
         else:
-            bins = self._check_candidate(problem, candidate, keys, metas)
-            candidate_costs = problem.rank_costs(bins)
+            flat, sizes = self._check_candidate(problem, candidate, keys, metas)
+            dest_rank = problem._rank_of_flat(flat, sizes)
+            candidate_costs = problem.rank_costs_of(dest_rank)
             candidate_score = self._score(candidate_costs)
         gain = (original - candidate_score) / original if original > 0 else 0.0
         accepted = candidate is not None and gain > self.min_balance_gain
         if not accepted:
-            bins, candidate_final_costs = source, source_costs
+            flat, sizes, dest_rank = source_flat, source_sizes, source_rank
+            candidate_final_costs = source_costs
         else:
             candidate_final_costs = candidate_costs
         decision = BalanceDecision(
@@ -190,10 +194,12 @@ class Planner:
         return self._build_plan(
             step,
             problem,
-            bins=bins,
+            fields,
+            flat=flat,
+            sizes=sizes,
             rank_costs=candidate_final_costs,
             source_costs=source_costs,
-            source_rank=source_rank,
+            num_moved=int(np.count_nonzero(dest_rank != source_rank)),
             decision=decision,
         )
 
@@ -201,36 +207,46 @@ class Planner:
 
     def _canonical_samples(
         self, samples: Iterable[tuple[SampleKey, SampleMetadata]]
-    ) -> tuple[tuple[SampleKey, ...], list[SampleMetadata], list[tuple[int, int, int]]]:
+    ) -> tuple[tuple[SampleKey, ...], list[SampleMetadata], np.ndarray]:
+        """Keys, metadata and key fields (an ``(n, 3)`` int64 array), in ascending key order."""
         given: object = samples
         if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
             raise TypeError(
                 f"samples must be an iterable of (SampleKey, SampleMetadata) pairs, but got "
                 f"{samples!r:.80}."
             )
-        items = list(samples)
-        for item in items:
-            if (
-                type(item) is not tuple
-                or len(item) != 2
-                or not isinstance(item[0], SampleKey)
-                or not isinstance(item[1], SampleMetadata)
-            ):
-                raise TypeError(
-                    f"samples must contain (SampleKey, SampleMetadata) pairs, but got "
-                    f"{item!r:.120}; pass one tuple per sample."
-                )
+        items = samples if type(samples) is list else list(samples)
         if not items:
             raise ConfigError(
                 f"samples is empty, but a step needs at least num_ranks * bins_per_rank = "
                 f"{self.num_bins} samples (one per bin)."
             )
-        # Canonical order: ascending key. Field tuples compare in C, far faster than keys.
-        fields = list(map(_KEY_FIELDS, (item[0] for item in items)))
-        order = sorted(range(len(items)), key=fields.__getitem__)
-        keys = tuple(items[i][0] for i in order)
-        metas = [items[i][1] for i in order]
-        return keys, metas, [fields[i] for i in order]
+        # Type checks as C-level passes (a set of types, not a Python frame per sample).
+        shapes_ok = set(map(type, items)) == {tuple} and set(map(len, items)) == {2}
+        if shapes_ok:
+            given_keys = list(map(_FIRST, items))
+            given_metas = list(map(_SECOND, items))
+            shapes_ok = _all_instances(given_keys, SampleKey) and _all_instances(
+                given_metas, SampleMetadata
+            )
+        if not shapes_ok:
+            bad = next(item for item in items if not _is_pair(item))
+            raise TypeError(
+                f"samples must contain (SampleKey, SampleMetadata) pairs, but got "
+                f"{bad!r:.120}; pass one tuple per sample."
+            )
+        fields = _key_fields(given_keys, "samples")
+        # Canonical order: ascending key. Gathered steps usually arrive sorted already
+        # (rank by rank, index by index), which one vectorised comparison confirms.
+        if _strictly_increasing(fields):
+            return tuple(given_keys), given_metas, fields
+        order = np.lexsort((fields[:, 2], fields[:, 1], fields[:, 0]))
+        fields = fields[order]
+        positions: list[int] = order.tolist()
+        keys = tuple(map(given_keys.__getitem__, positions))
+        if not _strictly_increasing(fields):
+            self._raise_duplicate(keys)
+        return keys, list(map(given_metas.__getitem__, positions)), fields
 
     @staticmethod
     def _raise_duplicate(keys: Sequence[SampleKey]) -> None:
@@ -271,8 +287,9 @@ class Planner:
         self,
         reference_bins: Sequence[Sequence[SampleKey]],
         keys: Sequence[SampleKey],
-        index: dict[tuple[int, int, int], int],
-    ) -> tuple[tuple[int, ...], ...]:
+        fields: np.ndarray,
+    ) -> tuple[tuple[tuple[int, ...], ...], np.ndarray, np.ndarray]:
+        """The source layout as canonical indices: per-bin tuples, and ``(flat, sizes)``."""
         nb = self.num_bins
         given: object = reference_bins
         if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
@@ -286,35 +303,45 @@ class Planner:
                 f"({self.num_ranks} ranks x {self.bins_per_rank}), but got "
                 f"{len(reference_bins)}; pass the source layout rank-major."
             )
-        out: list[tuple[int, ...]] = []
-        missing_value = itertools.repeat(-1)
-        for b, items in enumerate(reference_bins):
-            bin_value: object = items
-            if (
-                isinstance(bin_value, (str, bytes))
-                or not isinstance(bin_value, Sequence)
-                or not bin_value
-            ):
-                raise ConfigError(
-                    f"reference_bins[{b}] (rank {b // self.bins_per_rank}, bin "
-                    f"{b % self.bins_per_rank}) must be a non-empty sequence of SampleKey, but "
-                    f"got {items!r:.80}; every source bin holds at least one sample."
-                )
-            try:
-                positions = tuple(map(index.get, map(_KEY_FIELDS, items), missing_value))
-            except AttributeError:
-                bad = next(k for k in items if not isinstance(k, SampleKey))
-                raise TypeError(
-                    f"reference_bins[{b}] must contain SampleKey values, but got {bad!r:.80}."
-                ) from None
-            if -1 in positions:
-                missing = items[positions.index(-1)]
-                raise ConfigError(
-                    f"reference_bins[{b}] lists key {missing}, which is not among samples; "
-                    "reference_bins must list exactly the keys of samples."
-                )
-            out.append(positions)
-        flat = np.fromiter(itertools.chain.from_iterable(out), dtype=np.int64)
+        if not set(map(type, reference_bins)) <= {list, tuple} or 0 in map(len, reference_bins):
+            for b, items in enumerate(reference_bins):
+                bin_value: object = items
+                if (
+                    isinstance(bin_value, (str, bytes))
+                    or not isinstance(bin_value, Sequence)
+                    or not bin_value
+                ):
+                    raise ConfigError(
+                        f"reference_bins[{b}] (rank {b // self.bins_per_rank}, bin "
+                        f"{b % self.bins_per_rank}) must be a non-empty sequence of SampleKey, "
+                        f"but got {items!r:.80}; every source bin holds at least one sample."
+                    )
+        sizes = np.fromiter(map(len, reference_bins), dtype=np.int64, count=nb)
+        given_keys = list(itertools.chain.from_iterable(reference_bins))
+        ends = np.cumsum(sizes)
+        values: list[int]
+        bounds: list[int] = [0, *ends.tolist()]
+        if len(given_keys) == len(keys) and all(map(operator.is_, given_keys, keys)):
+            # The usual case: the source layout lists the very key objects of samples, in
+            # canonical order (ranks in order, indices ascending), so no lookup is needed.
+            values = list(range(len(keys)))
+            flat = np.arange(len(keys), dtype=np.int64)
+            source = tuple(tuple(values[bounds[b] : bounds[b + 1]]) for b in range(nb))
+            return source, flat, sizes
+        if not _all_instances(given_keys, SampleKey):
+            p = next(p for p, k in enumerate(given_keys) if not isinstance(k, SampleKey))
+            b = int(np.searchsorted(ends, p, side="right"))
+            raise TypeError(
+                f"reference_bins[{b}] must contain SampleKey values, but got {given_keys[p]!r:.80}."
+            )
+        flat = _lookup(fields, _key_fields(given_keys, "reference_bins"))
+        if flat.size and flat.min() < 0:
+            p = int(np.flatnonzero(flat < 0)[0])
+            b = int(np.searchsorted(ends, p, side="right"))
+            raise ConfigError(
+                f"reference_bins[{b}] lists key {given_keys[p]}, which is not among samples; "
+                "reference_bins must list exactly the keys of samples."
+            )
         seen = np.bincount(flat, minlength=len(keys))
         if not np.all(seen == 1):
             twice = np.flatnonzero(seen > 1)
@@ -328,7 +355,9 @@ class Planner:
                 f"reference_bins does not list key {keys[absent]} of samples; every key must "
                 "appear in exactly one source bin."
             )
-        return tuple(out)
+        values = flat.tolist()
+        source = tuple(tuple(values[bounds[b] : bounds[b + 1]]) for b in range(nb))
+        return source, flat, sizes
 
     def _costs(
         self, keys: tuple[SampleKey, ...], metas: list[SampleMetadata]
@@ -362,18 +391,21 @@ class Planner:
     def _check_feasible(
         self,
         problem: BalanceProblem,
-        bins: Sequence[Sequence[int]],
+        flat: np.ndarray,
+        sizes: np.ndarray,
         keys: Sequence[SampleKey],
         metas: Sequence[SampleMetadata],
         *,
         who: str,
     ) -> None:
-        bad = first_infeasible_bin(problem, bins)
+        bad = _first_infeasible_flat(problem, flat, sizes)
         if bad < 0:
             return
         where = f"{who}[{bad}] (rank {bad // self.bins_per_rank}, bin {bad % self.bins_per_rank})"
+        start = int(sizes[:bad].sum())
+        members = flat[start : start + int(sizes[bad])].tolist()
         try:
-            self.constraints.validate_bin((keys[i], metas[i]) for i in bins[bad])
+            self.constraints.validate_bin((keys[i], metas[i]) for i in members)
         except ConfigError as exc:
             if who == "reference_bins":
                 raise ConfigError(f"{where} is not a feasible packed bin: {exc}") from exc
@@ -389,7 +421,8 @@ class Planner:
         candidate: object,
         keys: Sequence[SampleKey],
         metas: Sequence[SampleMetadata],
-    ) -> list[list[int]]:
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The algorithm's layout as ``(flat, sizes)``, or ``PlanningError`` naming the fault."""
         nb = self.num_bins
         n = problem.num_samples
         name = self.algorithm_name
@@ -402,16 +435,22 @@ class Planner:
                 f"Algorithm {name!r} must return num_ranks * bins_per_rank = {nb} bins "
                 f"(or None), but returned {candidate!r:.120}."
             )
-        bins: list[list[int]] = []
-        for b, items in enumerate(candidate):
-            array = np.asarray(items)
-            if array.ndim != 1 or array.size == 0 or array.dtype.kind not in "iu":
-                raise PlanningError(
-                    f"Algorithm {name!r} returned bin {b} = {items!r:.80}; every bin must be a "
-                    f"non-empty sequence of sample indices (integers in [0, {n}))."
-                )
-            bins.append(array.tolist())
-        flat = np.concatenate([np.asarray(b, dtype=np.int64) for b in bins])
+        flat_or_none = _flatten_int_lists(candidate)
+        if flat_or_none is None:
+            # Slow path, also the one that names a malformed bin: one array per bin.
+            arrays: list[np.ndarray] = []
+            for b, items in enumerate(candidate):
+                array = np.asarray(items)
+                if array.ndim != 1 or array.size == 0 or array.dtype.kind not in "iu":
+                    raise PlanningError(
+                        f"Algorithm {name!r} returned bin {b} = {items!r:.80}; every bin must "
+                        f"be a non-empty sequence of sample indices (integers in [0, {n}))."
+                    )
+                arrays.append(array.astype(np.int64, copy=False))
+            flat = np.concatenate(arrays)
+            sizes = np.fromiter(map(len, arrays), dtype=np.int64, count=nb)
+        else:
+            flat, sizes = flat_or_none
         if flat.min() < 0 or flat.max() >= n:
             bad = int(flat[(flat < 0) | (flat >= n)][0])
             raise PlanningError(
@@ -424,8 +463,8 @@ class Planner:
                 f"Algorithm {name!r} must conserve every sample key exactly once, but key "
                 f"{keys[wrong]} appears {int(counts[wrong])} times in its layout."
             )
-        self._check_feasible(problem, bins, keys, metas, who="bins")
-        return bins
+        self._check_feasible(problem, flat, sizes, keys, metas, who="bins")
+        return flat, sizes
 
     def _score(self, rank_costs: np.ndarray) -> float:
         value = float(self.objective(rank_costs))
@@ -439,42 +478,120 @@ class Planner:
         self,
         step: int,
         problem: BalanceProblem,
+        fields: np.ndarray,
         *,
-        bins: Sequence[Sequence[int]],
+        flat: np.ndarray,
+        sizes: np.ndarray,
         rank_costs: np.ndarray,
         source_costs: np.ndarray,
-        source_rank: np.ndarray,
+        num_moved: int,
         decision: BalanceDecision,
     ) -> Plan:
         keys = problem.keys
         per = self.bins_per_rank
         seq_len = self.seq_len
-        tokens = problem.tokens
-        key_bins = [[keys[i] for i in b] for b in bins]
-        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-        flat = np.concatenate([np.asarray(b, dtype=np.int64) for b in bins])
-        bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
-        bin_tokens = np.bincount(bin_ids, weights=tokens[flat], minlength=len(bins))
-        bin_tokens = bin_tokens.astype(np.int64).tolist()
-        local_batches = tuple(
-            tuple(
-                BinPlan(
-                    sample_keys=tuple(key_bins[b]),
-                    tokens=bin_tokens[b],
-                    oversized=bin_tokens[b] > seq_len,
-                )
-                for b in range(r * per, (r + 1) * per)
+        ends = np.cumsum(sizes)
+        bin_tokens: list[int] = np.add.reduceat(problem.tokens[flat], ends - sizes).tolist()
+        # Every key once, in bin order, gathered in C; each bin is then one tuple slice.
+        ordered = tuple(map(keys.__getitem__, flat.tolist()))
+        bounds: list[int] = [0, *ends.tolist()]
+        bins = [
+            BinPlan(
+                sample_keys=ordered[bounds[b] : bounds[b + 1]],
+                tokens=bin_tokens[b],
+                oversized=bin_tokens[b] > seq_len,
             )
-            for r in range(self.num_ranks)
-        )
-        dest_rank = problem.rank_of(bins)
+            for b in range(len(bin_tokens))
+        ]
+        local_batches = tuple(tuple(bins[r * per : (r + 1) * per]) for r in range(self.num_ranks))
         return Plan(
             step=step,
             seq_len=seq_len,
             local_batches=local_batches,
-            rank_costs=tuple(float(c) for c in rank_costs),
-            source_rank_costs=tuple(float(c) for c in source_costs),
+            rank_costs=tuple(rank_costs.tolist()),
+            source_rank_costs=tuple(source_costs.tolist()),
             decision=decision,
-            num_moved=int(np.count_nonzero(dest_rank != source_rank)),
-            digest=plan_digest(step, seq_len, key_bins, per),
+            num_moved=num_moved,
+            digest=_digest_arrays(step, seq_len, sizes, fields[flat], per),
         )
+
+
+def _all_instances(values: Iterable[object], cls: type) -> bool:
+    """Whether every value is a ``cls`` (one C-level pass over the distinct types)."""
+    return all(issubclass(t, cls) for t in set(map(type, values)))
+
+
+def _is_pair(item: object) -> bool:
+    return (
+        type(item) is tuple
+        and len(item) == 2
+        and isinstance(item[0], SampleKey)
+        and isinstance(item[1], SampleMetadata)
+    )
+
+
+def _key_fields(keys: Sequence[SampleKey], who: str) -> np.ndarray:
+    """``(source_rank, step, index)`` of every key, as an ``(n, 3)`` int64 array."""
+    n = len(keys)
+    try:
+        flat = np.fromiter(
+            itertools.chain.from_iterable(map(_KEY_FIELDS, keys)), dtype=np.int64, count=3 * n
+        )
+    except OverflowError:
+        big = next(k for k in keys if max(k.as_tuple()) > _INT64_MAX)
+        raise ConfigError(
+            f"{who} holds key {big}, whose fields exceed 2**63 - 1; the planner encodes key "
+            "fields as int64, so use smaller ranks, steps and indices."
+        ) from None
+    return flat.reshape(n, 3)
+
+
+def _strictly_increasing(fields: np.ndarray) -> bool:
+    """Whether the rows of an ``(n, 3)`` array ascend strictly in lexicographic order."""
+    if len(fields) < 2:
+        return True
+    d = np.diff(fields, axis=0)
+    up = (d[:, 0] > 0) | ((d[:, 0] == 0) & ((d[:, 1] > 0) | ((d[:, 1] == 0) & (d[:, 2] > 0))))
+    return bool(up.all())
+
+
+def _lookup(table: np.ndarray, queries: np.ndarray) -> np.ndarray:
+    """Row of ``table`` (sorted, distinct rows) equal to each query row, or -1.
+
+    Rows are packed into one int64 each by mixed radix over the table's value ranges, which
+    keeps their order, so one ``searchsorted`` finds them all. A query outside those ranges
+    cannot be in the table. When the ranges are too wide to pack (arbitrary huge indices)
+    a dictionary of rows does the lookup instead.
+    """
+    low = table.min(axis=0)
+    span = table.max(axis=0) - low + 1
+    inside = np.all((queries >= low) & (queries < low + span), axis=1)
+    if float(span[0]) * float(span[1]) * float(span[2]) < 2.0**62:
+        pack = np.array([span[1] * span[2], span[2], 1], dtype=np.int64)
+        codes = (table - low) @ pack
+        wanted = (np.where(inside[:, None], queries, low) - low) @ pack
+        pos = np.minimum(np.searchsorted(codes, wanted), len(codes) - 1)
+        return np.where(inside & (codes[pos] == wanted), pos, -1)
+    index = {row: i for i, row in enumerate(map(tuple, table.tolist()))}
+    return np.fromiter(
+        (index.get(row, -1) for row in map(tuple, queries.tolist())),
+        dtype=np.int64,
+        count=len(queries),
+    )
+
+
+def _flatten_int_lists(candidate: Sequence[object]) -> tuple[np.ndarray, np.ndarray] | None:
+    """``(flat, sizes)`` of non-empty lists of Python ints, or ``None`` for anything else."""
+    if not set(map(type, candidate)) <= {list, tuple}:
+        return None
+    bins = cast("Sequence[Sequence[object]]", candidate)
+    sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+    if sizes.size == 0 or sizes.min() == 0:
+        return None
+    values: list[object] = list(itertools.chain.from_iterable(bins))
+    if set(map(type, values)) != {int}:
+        return None  # numpy integers, floats, bools: the slow path checks them one by one
+    try:
+        return np.array(values, dtype=np.int64), sizes
+    except OverflowError:
+        return None

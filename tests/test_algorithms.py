@@ -385,3 +385,23 @@ def test_refine_with_a_zero_budget_stays_at_the_best_start() -> None:
     bins = RefineAlgorithm(max_iterations=0).assign(problem)
     assert bins is not None
     assert problem.score(bins) == 10.0  # the LPT start
+
+
+def test_refine_budget_grows_with_the_step_within_its_bounds() -> None:
+    from evenflow.engine._refine import _default_budget
+
+    def sized(num_samples: int) -> BalanceProblem:
+        per_bin = num_samples // 8
+        return make_problem([[1] * per_bin for _ in range(8)], num_ranks=4, seq_len=10**6)
+
+    assert _default_budget(sized(200)) == 256  # tiny: searched to convergence
+    small, mid, large = (_default_budget(sized(n)) for n in (800, 4000, 16_000))
+    assert 6 <= small < mid < large == 96
+
+
+def test_lpt_sentinels_report_a_dead_end_when_every_rank_is_full() -> None:
+    # Two ranks, one bin each: the two expensive 5s open both bins, then the 6 fits neither,
+    # so every rank is parked and the run ends (the source 5+5 | 6+4 is feasible).
+    problem = make_problem([[5, 5], [6, 4]], num_ranks=2, seq_len=10, costs=[10, 10, 1, 1])
+    assert lpt_assign(problem) is None
+    assert reference_lpt(problem) is None

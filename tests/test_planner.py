@@ -10,7 +10,8 @@ import pytest
 
 from evenflow.engine._algorithms import BalanceProblem
 from evenflow.engine._cost import ComponentCost
-from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._model import SampleKey, SampleMetadata, _mint_keys
+from evenflow.engine._plan import plan_digest
 from evenflow.engine._planner import Planner
 from evenflow.engine.errors import ConfigError, PlanningError
 
@@ -371,3 +372,67 @@ def test_plan_rejects_a_bad_cost() -> None:
     samples, bins = step_of([[3], [2]])
     with pytest.raises(PlanningError, match="cost must be a finite number"):
         planner(cost_model=lambda m: -1.0).plan(samples, bins, step=0)
+
+
+# ---------------------------------------------------------------------------- fast paths
+
+
+def _random_step(seed: int, num_ranks: int = 4, per: int = 2) -> tuple[Samples, list[list[Any]]]:
+    rng = np.random.default_rng(seed)
+    samples: Samples = []
+    bins: list[list[SampleKey]] = []
+    for r in range(num_ranks):
+        index = 0
+        for _ in range(per):
+            keys = []
+            for t in rng.integers(1, 40, size=int(rng.integers(1, 6))).tolist():
+                key = SampleKey(r + 3, 7, index)
+                index += 1
+                samples.append((key, SampleMetadata(tokens=t)))
+                keys.append(key)
+            bins.append(keys)
+    return samples, bins
+
+
+@pytest.mark.parametrize("algorithm", ["lpt", "default"])
+def test_equal_but_distinct_keys_and_any_order_give_the_same_plan(algorithm: str) -> None:
+    samples, bins = _random_step(11)
+    make = lambda: planner(  # noqa: E731
+        num_ranks=4, bins_per_rank=2, seq_len=200, cost_model="quadratic", algorithm=algorithm
+    )
+    same_objects = make().plan(samples, bins, step=7)
+    copies = [[SampleKey(*k.as_tuple()) for k in b] for b in bins]
+    shuffled = list(reversed(samples))
+    other = make().plan(shuffled, copies, step=7)
+    assert other == same_objects
+    # The planner hashes arrays; the public digest of the keys must agree with it.
+    layout = [list(b.sample_keys) for rank in same_objects.local_batches for b in rank]
+    assert same_objects.digest == plan_digest(7, 200, layout, 2)
+    assert same_objects.digest != plan_digest(8, 200, layout, 2)
+
+
+def test_an_algorithm_returning_numpy_bins_is_accepted() -> None:
+    samples, bins = step_of([[9, 9], [1, 1]])
+    layout = [np.array([0, 2], dtype=np.int32), np.array([1, 3], dtype=np.int64)]
+    plan = planner(algorithm=Returning(layout)).plan(samples, bins, step=0)
+    assert plan.rank_costs == (10.0, 10.0)
+    assert plan.accepted
+    with pytest.raises(PlanningError, match="non-empty sequence of sample indices"):
+        planner(algorithm=Returning([[0, 2], [True, True]])).plan(samples, bins, step=0)
+
+
+def test_key_fields_beyond_int64_are_rejected_by_name() -> None:
+    samples = [(SampleKey(0, 0, 2**64), SampleMetadata(tokens=1))]
+    samples.append((SampleKey(1, 0, 0), SampleMetadata(tokens=1)))
+    bins = [[samples[0][0]], [samples[1][0]]]
+    with pytest.raises(ConfigError, match=r"samples holds key .*2\*\*63 - 1"):
+        planner().plan(samples, bins, step=0)
+
+
+def test_minted_keys_equal_validated_keys() -> None:
+    minted = _mint_keys(5, 9, 4)
+    assert minted == [SampleKey(5, 9, i) for i in range(4)]
+    assert [hash(k) for k in minted] == [hash(SampleKey(5, 9, i)) for i in range(4)]
+    assert _mint_keys(0, 0, 0) == []
+    with pytest.raises(ConfigError, match="non-negative"):
+        SampleKey(-1, 0, 0)  # the public constructor still validates
