@@ -33,7 +33,7 @@ import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evenflow.engine._config import LoaderConfig
-from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._model import SampleKey, SampleMetadata, _mint_key
 from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, plan_digest
 from evenflow.engine._sequencer import Sequencer
 from evenflow.engine._stats import step_stats
@@ -326,8 +326,7 @@ class Pipeline:
             self._prev = state
             state.confirmed = asyncio.get_running_loop().create_future()
             if state.error is None:
-                state.timings["messages"] = 0.0
-                state.received = {"__messages__": messages}
+                state.messages = messages
 
     def _prev_status(self) -> dict[str, Any] | None:
         prev = self._prev
@@ -407,7 +406,7 @@ class Pipeline:
     async def _plan(self, state: StepState) -> None:
         if state.terminal:
             return
-        messages = state.received.pop("__messages__", None)
+        messages = state.messages
         leader = self._config.planning == "leader"
         if messages is not None and (not leader or self._rank == 0):
             loop = asyncio.get_running_loop()
@@ -613,7 +612,7 @@ def _plan_from_wire(
         rank_bins = []
         for keys, tok in zip(bins, tokens, strict=True):
             sample_keys = tuple(
-                SampleKey(int(a), int(b), int(c))
+                _mint_key(int(a), int(b), int(c))
                 for a, b, c in np.asarray(keys).reshape(-1, 3).tolist()
             )
             flat.append(list(sample_keys))

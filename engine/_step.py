@@ -69,11 +69,11 @@ class StepState:
     terminal: bool = False  # no later step exists: raise or end here
     plan: Plan | None = None
     stats: StepStats | None = None
+    messages: list[dict[str, Any]] | None = None  # every rank's metadata message
     received: dict[Any, Any] = field(default_factory=dict)
     host_batch: Any = None
     staged: Any = None
     confirmed: asyncio.Future[None] | None = None
-    timings: dict[str, float] = field(default_factory=dict)
 
     def fail(self, stage: str, exc: BaseException) -> None:
         if self.error is None:
@@ -81,6 +81,7 @@ class StepState:
 
     def release_payloads(self) -> None:
         self.bins = None
+        self.messages = None
         self.received = {}
 
 
