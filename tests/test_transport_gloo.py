@@ -209,6 +209,60 @@ def _rank_peer_dies(rank: int, num_ranks: int) -> dict[str, Any]:
     return asyncio.run(main())
 
 
+def _rank_buffer_reuse(rank: int, num_ranks: int) -> dict[str, Any]:
+    """Exchanges of > 1 MiB per rank (pooled), holding the first result while others run."""
+    import numpy as np
+    import torch
+
+    from evenflow.transports._gloo import GlooTransport
+
+    def payload(round_: int) -> dict[int, list[tuple[Any, Any]]]:
+        # Different bytes every round, to every rank including this one.
+        return {
+            target: [
+                (
+                    (rank, round_, i),
+                    {
+                        "a": np.full(150_000, rank * 100 + round_ * 10 + i, dtype=np.int32),
+                        "t": torch.full((70_000,), float(round_), dtype=torch.float64),
+                    },
+                )
+                for i in range(2)
+            ]
+            for target in range(num_ranks)
+        }
+
+    def digest(received: dict[Any, Any]) -> dict[str, Any]:
+        return {
+            str(key): [int(v["a"][0]), int(v["a"][-1]), float(v["t"].sum())]
+            for key, v in sorted(received.items())
+        }
+
+    async def main() -> dict[str, Any]:
+        transport = GlooTransport(timeout=GROUP_TIMEOUT)
+        held = await transport.exchange(payload(0))
+        held_digest = digest(held)
+        views = all(
+            not v["a"].flags.owndata and not v["t"].numpy().flags.owndata for v in held.values()
+        )
+        send_buffer = transport._send_buffer
+        digests = []
+        for round_ in range(1, 7):
+            digests.append(digest(await transport.exchange(payload(round_))))  # dropped at once
+        result = {
+            "held_before": held_digest,
+            "held_after": digest(held),
+            "views": views,
+            "later": digests,
+            "send_buffer_kept": transport._send_buffer is send_buffer,
+            "pooled": len(transport._receive_pool._backing),
+        }
+        await transport.aclose()
+        return result
+
+    return asyncio.run(main())
+
+
 # -- tests ------------------------------------------------------------------------------------
 
 
@@ -259,7 +313,7 @@ def test_frame_limit_fails_every_rank_before_data_moves(pool: RankPool, kind: st
     sender, receiver = pool.run(_rank_frame_limit, kind)
     assert sender["error"]["type"] == "TransportError"
     assert "max_frame_bytes=4096" in sender["error"]["message"]
-    assert receiver["error"]["type"] == "TransportError"
+    assert receiver["error"]["type"] == "PeerEncodeError"
     assert "rank(s) 0 could not build their frames" in receiver["error"]["message"]
     for result in (sender, receiver):
         assert result["calls"] == 1  # the sizes step only: no bytes moved
@@ -319,7 +373,7 @@ def test_device_launches_go_through_the_launcher(pool: RankPool) -> None:
         # Every collective was issued from inside a launch, on the caller's thread.
         assert {thread for _, thread in result["calls"]} == {"MainThread"}
         assert len(result["calls"]) == 7  # the failed all_gather only ran its sizes step
-        assert result["failed"] in ("EncodeError", "TransportError")
+        assert result["failed"] in ("EncodeError", "TransportError", "PeerEncodeError")
 
 
 @pytest.mark.multiprocess
@@ -335,6 +389,73 @@ def test_exchange_benchmark_quick_json(capsys: pytest.CaptureFixture[str]) -> No
         assert row[f"{method}_bytes_per_s"] > 0
     assert row["vs_raw"] == pytest.approx(row["evenflow_bytes_per_s"] / row["raw_bytes_per_s"])
     assert document["targets"] == []  # quick runs measure no target case
+
+
+def test_receive_pool_reuses_a_buffer_only_once_no_view_remains() -> None:
+    import numpy as np
+    import torch
+
+    from evenflow.transports._gloo import _POOL_MAX_BUFFERS, _POOL_MIN_BYTES, _ReceivePool
+    from evenflow.transports._wire import decode, encode
+
+    pool = _ReceivePool()
+    frame = encode({"a": np.arange(_POOL_MIN_BYTES // 8), "t": torch.arange(1000.0)})
+    for kind in ("array", "tensor", "slice", "memoryview"):
+        lease = pool.lease(frame.size)
+        assert lease.flags.writeable and lease.size == frame.size
+        lease[:] = frame
+        address = lease.ctypes.data
+        got = decode(lease)
+        keep: Any = {
+            "array": got["a"],
+            "tensor": got["t"],
+            "slice": got["a"][10:20],
+            "memoryview": memoryview(got["a"]),
+        }[kind]
+        before = bytes(np.asarray(keep).view(np.uint8))
+        del lease, got
+        # Only ``keep`` refers to the lease now: its memory must not be handed out again.
+        other = pool.lease(frame.size)
+        assert other.ctypes.data != address, kind
+        other[:] = 0xFF
+        assert bytes(np.asarray(keep).view(np.uint8)) == before, kind
+        del other, keep
+    # Everything released: later leases reuse the pooled buffers instead of allocating.
+    count = len(pool._backing)
+    addresses = {b.ctypes.data for b in pool._backing}
+    leases = [pool.lease(frame.size) for _ in range(count)]
+    assert {lease.ctypes.data for lease in leases} == addresses
+    assert len(pool._backing) == count
+    # Small receives are not pooled; neither are receives while every buffer is busy.
+    assert pool.lease(100).base is None
+    leases += [pool.lease(_POOL_MIN_BYTES) for _ in range(_POOL_MAX_BUFFERS - count)]
+    extra = pool.lease(_POOL_MIN_BYTES)
+    assert len(pool._backing) == _POOL_MAX_BUFFERS
+    assert all(not np.shares_memory(extra, b) for b in pool._backing)
+    pool.clear()
+    assert not pool._backing
+    leases[0][:] = 1  # leases outlive clear(): they keep their own memory
+    assert int(leases[0].sum()) == leases[0].size
+
+
+@pytest.mark.multiprocess
+def test_exchange_never_overwrites_a_result_the_caller_still_holds(pool: RankPool) -> None:
+    for rank, result in enumerate(pool.run(_rank_buffer_reuse)):
+        assert result["views"]  # zero-copy: decoded arrays and tensors are views
+        assert result["held_after"] == result["held_before"]
+        for round_, got in enumerate([result["held_before"], *result["later"]]):
+            assert len(got) == 4
+            for key, (first, last, total) in got.items():
+                src, sent_round, i = (int(x) for x in key.strip("()").split(","))
+                assert sent_round == round_
+                assert first == last == src * 100 + round_ * 10 + i
+                assert total == 70_000 * round_
+        assert result["send_buffer_kept"]
+        # The held result pins one buffer; the six dropped ones reused the others. Gloo may
+        # release its own reference to an output a moment after the collective returns, so
+        # consecutive receives can alternate between two buffers; without reuse all four
+        # pool slots would fill.
+        assert 2 <= result["pooled"] <= 3, rank
 
 
 @pytest.mark.multiprocess

@@ -362,6 +362,58 @@ def test_encode_many_writes_aligned_frames_back_to_back() -> None:
         assert item["x"].ctypes.data % 64 == 0 and np.shares_memory(item["x"], buffer)
 
 
+def test_encode_many_writes_into_a_reused_buffer_when_it_fits() -> None:
+    objs: list[Any] = [{"x": np.arange(300, dtype=np.int32)}, (b"y" * 9000, "z")]
+    fresh, sizes = encode_many(objs)
+    out = np.full(fresh.size + 1000, 0xAB, dtype=np.uint8)  # stale bytes everywhere
+    buffer, reused_sizes = encode_many(objs, out=out)
+    assert reused_sizes == sizes
+    assert buffer.size == fresh.size
+    assert buffer.ctypes.data == out.ctypes.data  # out[:total], no new allocation
+    # Every byte is written, padding included: nothing stale from the last use leaks.
+    assert buffer.tobytes() == fresh.tobytes()
+    assert_same(decode_many(buffer, sizes), objs)
+    assert out[fresh.size :].tolist() == [0xAB] * 1000  # the rest is left alone
+
+
+def test_encode_many_allocates_when_out_is_too_small() -> None:
+    objs = [np.ones(1000, dtype=np.int64)]
+    out = np.zeros(64, dtype=np.uint8)
+    buffer, sizes = encode_many(objs, out=out)
+    assert not np.shares_memory(buffer, out)
+    assert buffer.size == sum(sizes) > out.size
+    assert buffer.ctypes.data % 64 == 0
+    assert out.tolist() == [0] * 64
+    assert_same(decode_many(buffer, sizes), objs)
+    # Growing: the larger buffer is reused by the next call.
+    again, _ = encode_many([np.zeros(10, dtype=np.int64)], out=buffer)
+    assert np.shares_memory(again, buffer)
+
+
+@pytest.mark.parametrize(
+    ("out", "error", "message"),
+    [
+        (bytearray(128), TypeError, "out must be a 1-D uint8 numpy array or None"),
+        (np.zeros(128, dtype=np.int8), TypeError, "dtype int8"),
+        (np.zeros((2, 64), dtype=np.uint8), TypeError, r"shape \(2, 64\)"),
+        (np.zeros(256, dtype=np.uint8)[::2], TypeError, "contiguous: False"),
+        (np.frombuffer(bytes(128), dtype=np.uint8), ValueError, "out must be writable"),
+    ],
+)
+def test_encode_many_rejects_a_bad_out(out: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        encode_many([1], out=out)
+
+
+def test_encode_many_refuses_to_encode_out_into_itself() -> None:
+    out = np.zeros(1 << 16, dtype=np.uint8)
+    with pytest.raises(ValueError, match="out shares memory"):
+        encode_many([{"x": out[-1000:]}], out=out)
+    with pytest.raises(ValueError, match="out shares memory"):
+        encode_many([torch.from_numpy(out[:100])], out=out)
+    encode_many([out[-1000:].copy()], out=out)  # a copy is fine
+
+
 def test_empty_inputs_and_zero_length_segments() -> None:
     buffer, sizes = encode_many([])
     assert buffer.size == 0 and buffer.dtype == np.uint8 and sizes == []

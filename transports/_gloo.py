@@ -23,7 +23,25 @@ rejects sizes its sender accepted leaves the sender waiting until the group time
 
 **Threads.** Each transport owns exactly one single-worker executor (thread name
 ``evenflow-gloo-...``) and runs every collective of its group there: two threads driving one
-Gloo group corrupt data. Frames are decoded on the same thread right after the collective.
+Gloo group corrupt data. Frames are encoded and decoded on that thread too.
+
+**Exchange, step by step.** ``exchange`` packs every frame's header first (this is where
+encode errors surface, before anything is announced), starts the sizes step with
+``async_op=True`` and copies the payloads for its peers into its send buffer while the sizes
+travel, which hides the step's latency and the wait for the slowest peer. The data step is
+likewise started asynchronously; the frame a rank sends *itself* takes no part in it (split
+size 0) and is instead copied, once, straight into the end of the receive buffer and decoded
+while the peers' bytes are in flight, the same overlap Gloo gives its own local copy. The
+engine never sends a rank its own samples, so that path matters only to direct callers.
+
+**Buffers.** One grow-only send buffer per transport is reused by every exchange (nothing
+refers to it once the data step has returned), and large receives land in pooled buffers
+(:class:`_ReceivePool`): the first-touch page faults of fresh multi-MiB buffers were measured
+to cost as much as copying the data, and several times that on a loaded machine or at
+64 MiB, above the largest size glibc serves from its heap (``evenflow bench exchange`` shows
+it in its "raw fresh" column). Decoded arrays and tensors are views of the receive buffer,
+as the wire format documents; the pool never reuses a buffer while any of them is alive.
+``aclose()`` drops both.
 """
 
 from __future__ import annotations
@@ -42,8 +60,15 @@ import torch
 import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing, Transport
-from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, decode_many, encode, encode_many
+from evenflow.transports._wire import (
+    DEFAULT_MAX_FRAME_BYTES,
+    _PendingFrames,
+    decode_many,
+    encode,
+    encode_many,
+)
 from evenflow.transports.errors import (
+    PeerEncodeError,
     PeerFailureError,
     TransportError,
     TransportTimeoutError,
@@ -162,18 +187,40 @@ class _Protocol:
             op=op,
         )
 
+    def _target_sizes(self, op: str, targets: list[int], frame_sizes: list[int]) -> list[int]:
+        """Bytes for every target (0 where it gets nothing), each checked against the limit."""
+        sizes = [0] * self.num_ranks
+        for target, size in zip(targets, frame_sizes, strict=True):
+            if size > self.limit:
+                raise self.frame_limit_error(op, size, f"rank {target}")
+            sizes[target] = size
+        return sizes
+
     def encode_exchange(
         self, op: str, outgoing: list[list[tuple[Hashable, Any]]]
     ) -> tuple[npt.NDArray[np.uint8], list[int]]:
         """One frame per target with items (empty targets get 0 bytes), in target order."""
         present = [t for t, items in enumerate(outgoing) if items]
         buffer, frame_sizes = encode_many([outgoing[t] for t in present])
-        sizes = [0] * self.num_ranks
-        for target, size in zip(present, frame_sizes, strict=True):
-            if size > self.limit:
-                raise self.frame_limit_error(op, size, f"rank {target}")
-            sizes[target] = size
-        return buffer, sizes
+        return buffer, self._target_sizes(op, present, frame_sizes)
+
+    def pack_exchange(
+        self, op: str, outgoing: list[list[tuple[Hashable, Any]]]
+    ) -> tuple[_PendingFrames, _PendingFrames, list[int]]:
+        """Pack an exchange's frames and check their sizes, copying no payload yet.
+
+        Returns the frames for the other ranks that get items (in target order), the frame
+        this rank sends itself (none when it sends itself nothing) and the bytes for every
+        target, 0 where it gets nothing.
+        """
+        present = [t for t, items in enumerate(outgoing) if items and t != self.rank]
+        own_items = outgoing[self.rank]
+        peers = _PendingFrames([outgoing[t] for t in present])
+        own = _PendingFrames([own_items] if own_items else [])
+        sizes = self._target_sizes(
+            op, [*present, self.rank] if own_items else present, [*peers.sizes, *own.sizes]
+        )
+        return peers, own, sizes
 
     def encode_one(self, op: str, obj: Any) -> npt.NDArray[np.uint8]:
         frame = encode(obj)
@@ -185,10 +232,11 @@ class _Protocol:
         """Validate announced sizes before any data moves; raise what the group agrees on."""
         failed = [src for src, size in enumerate(sizes) if size == _FAILED]
         if failed:
-            raise TransportError(
+            raise PeerEncodeError(
                 f"{self.where}: {op} was abandoned because rank(s) "
                 f"{', '.join(map(str, failed))} could not build their frames (their own error "
                 f"says why). No data was moved; the group is still usable.",
+                failed_ranks=tuple(failed),
                 rank=self.rank,
                 op=op,
             )
@@ -262,6 +310,70 @@ def normalize_outgoing(outgoing: Outgoing, num_ranks: int) -> list[list[tuple[Ha
     return lists
 
 
+# -- buffer reuse -------------------------------------------------------------------------------
+
+#: Receive buffers smaller than this come straight from the allocator: small allocations are
+#: cheap, and a long-lived small result (metadata) must not pin a large pooled buffer.
+_POOL_MIN_BYTES = 1 << 20
+#: At most this many receive buffers are kept, busy or idle.
+_POOL_MAX_BUFFERS = 4
+
+
+class _ReceivePool:
+    """Receive buffers that are reused only once no decoded view can still see them.
+
+    Fresh memory of tens of MiB costs a page fault per 4 KiB on first touch, which on a busy
+    machine was as slow as moving the bytes. So each large receive takes a *lease*: a new
+    ndarray object over the start of a pooled backing buffer. ``np.frombuffer`` gives the
+    lease a memoryview as its base, so numpy's base collapsing stops at the lease: every
+    view derived from it (sliced, reshaped, read through a memoryview, wrapped by
+    ``torch.from_numpy``) holds a reference to the lease itself. A backing buffer is handed
+    out again only after a weak reference shows its last lease was freed, i.e. after the
+    caller has dropped every decoded array and tensor of that receive. Nothing that still
+    points into a buffer can be overwritten; a receive that finds every buffer busy gets
+    fresh memory instead. Gloo's worker thread may drop its reference to an output tensor
+    a moment after the collective has returned, so back-to-back receives sometimes alternate
+    between two buffers; liveness is only ever over-estimated, never under-estimated.
+
+    Used only on the transport's collective thread. Idle memory is bounded by
+    ``_POOL_MAX_BUFFERS`` buffers of at most 1.25x the largest receive; :meth:`clear`
+    releases it.
+    """
+
+    def __init__(self) -> None:
+        self._backing: list[npt.NDArray[np.uint8]] = []
+        self._leases: list[weakref.ref[npt.NDArray[np.uint8]] | None] = []
+
+    def lease(self, nbytes: int) -> npt.NDArray[np.uint8]:
+        """A writable uint8 array of ``nbytes`` bytes, reused when possible."""
+        if nbytes < _POOL_MIN_BYTES:
+            return np.empty(nbytes, dtype=np.uint8)
+        idle = [i for i, ref in enumerate(self._leases) if ref is None or ref() is None]
+        fits = [i for i in idle if self._backing[i].size >= nbytes]
+        if fits:
+            index = min(fits, key=lambda i: self._backing[i].size)
+        elif idle or len(self._backing) < _POOL_MAX_BUFFERS:
+            # Grow-only with headroom, so that sizes drifting from step to step settle.
+            backing = np.empty(nbytes + nbytes // 4, dtype=np.uint8)
+            if idle:
+                index = min(idle, key=lambda i: self._backing[i].size)
+                self._backing[index] = backing
+            else:
+                index = len(self._backing)
+                self._backing.append(backing)
+                self._leases.append(None)
+        else:
+            return np.empty(nbytes, dtype=np.uint8)
+        lease: npt.NDArray[np.uint8] = np.frombuffer(self._backing[index].data[:nbytes], np.uint8)
+        self._leases[index] = weakref.ref(lease)
+        return lease
+
+    def clear(self) -> None:
+        """Forget every buffer (leases still held stay valid: they keep their memory)."""
+        self._backing.clear()
+        self._leases.clear()
+
+
 # -- the transport ------------------------------------------------------------------------------
 
 
@@ -317,6 +429,10 @@ class GlooTransport(Transport):
             limit=limit,
         )
         self._broken: TransportError | None = None
+        # Reused across operations; both are touched only on the collective thread, and an
+        # operation's collectives have completed before the next operation starts there.
+        self._send_buffer: npt.NDArray[np.uint8] | None = None
+        self._receive_pool = _ReceivePool()
         self._executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix=f"evenflow-gloo-r{dist.get_rank()}"
         )
@@ -357,6 +473,8 @@ class GlooTransport(Transport):
         )
         if self._owns_group and self._broken is None:
             _destroy_group(self._group)
+        self._send_buffer = None
+        self._receive_pool.clear()
 
     # -- plumbing -------------------------------------------------------------------------------
 
@@ -379,25 +497,66 @@ class GlooTransport(Transport):
             )
             raise
 
-    def _collective(self, op: str, call: Callable[[], object]) -> None:
-        """Run one blocking collective; translate and remember a failure."""
+    def _collective(self, op: str, call: Callable[[], T]) -> T:
+        """Run one blocking collective (or start one); translate and remember a failure."""
         try:
-            call()
+            return call()
         except RuntimeError as exc:
             error = self._proto.translate(op, exc)
             self._broken = error
             raise error from exc
 
-    def _sizes(self, op: str, sizes: list[int]) -> list[int]:
+    def _overlapped(
+        self, op: str, start: Callable[[], dist.Work | None], local: Callable[[], T]
+    ) -> T:
+        """Start a collective (``async_op=True``), run ``local`` meanwhile, wait for it."""
+        work = self._collective(op, start)
+        assert work is not None  # async_op=True always returns a Work
+        try:
+            return local()
+        finally:
+            # Also when ``local`` failed: nothing may touch the collective's buffers, or
+            # start another operation, before it is done.
+            self._collective(op, work.wait)
+
+    def _sizes(
+        self, op: str, sizes: list[int], overlap: Callable[[], None] | None = None
+    ) -> list[int]:
+        """Exchange sizes; run ``overlap`` (local work) while they are in flight."""
         send = torch.tensor(sizes, dtype=torch.int64)
         recv = torch.empty(self.num_ranks, dtype=torch.int64)
-        self._collective(op, lambda: dist.all_to_all_single(recv, send, group=self._group))
+        if overlap is None:
+            self._collective(op, lambda: dist.all_to_all_single(recv, send, group=self._group))
+            return [int(s) for s in recv.tolist()]
+
+        def local() -> None:
+            try:
+                overlap()
+            except Exception as exc:
+                # Our sizes are announced but their data cannot follow: the peers will wait
+                # in the data step, so the group is out of step for good.
+                self._broken = TransportError(
+                    f"{self._proto.where}: {op} failed after announcing its sizes "
+                    f"({type(exc).__name__}: {exc}); the group is unusable, close this "
+                    f"transport.",
+                    rank=self.rank,
+                    op=op,
+                )
+                raise self._broken from exc
+
+        self._overlapped(
+            op,
+            lambda: dist.all_to_all_single(recv, send, group=self._group, async_op=True),
+            local,
+        )
         return [int(s) for s in recv.tolist()]
 
-    def _move(self, op: str, send: torch.Tensor, sizes: list[int], incoming: list[int]) -> Any:
-        # numpy's allocator reuses freed pages; torch.empty of tens of MiB page-faults afresh
-        # every time (measured 3-8x slower to fill), and decoded views keep ``recv`` alive.
-        recv = np.empty(sum(incoming), dtype=np.uint8)
+    def _move(
+        self, op: str, send: torch.Tensor, sizes: list[int], incoming: list[int]
+    ) -> npt.NDArray[np.uint8]:
+        # A pooled lease: decoded views keep it alive, and the pool reuses its memory only
+        # after they are all gone (see _ReceivePool).
+        recv = self._receive_pool.lease(sum(incoming))
         self._collective(
             op,
             lambda: dist.all_to_all_single(
@@ -420,20 +579,59 @@ class GlooTransport(Transport):
 
     def _exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         op = "exchange"
+        copy: Callable[[], None] | None = None
         try:
-            buffer, sizes = self._proto.encode_exchange(
+            peers, own, sizes = self._proto.pack_exchange(
                 op, normalize_outgoing(outgoing, self.num_ranks)
             )
+            buffer = peers.buffer(self._send_buffer)
             local_error: Exception | None = None
         except Exception as exc:
             local_error, sizes = exc, [_FAILED] * self.num_ranks
-        incoming = self._sizes(op, sizes)
+        else:
+            # Grow-only: keep the larger buffer. Reusing it is safe because nothing refers
+            # to the send buffer once the data collective has returned.
+            if self._send_buffer is None or buffer.size > self._send_buffer.size:
+                self._send_buffer = buffer
+            # The copy runs while the sizes travel: it hides their latency and the wait for
+            # the slowest peer. Everything that can reject the input has already run.
+            copy = functools.partial(peers.write, buffer)
+        incoming = self._sizes(op, sizes, overlap=copy)
         if local_error is not None:
             raise local_error
         self._checked(op, incoming)
-        received = self._move(op, torch.from_numpy(buffer), sizes, incoming)
-        frames = decode_many(received, incoming, max_frame_bytes=self._proto.limit)
-        return self._proto.merge_exchange(op, frames)
+        # The frame a rank sends itself skips the collective (split size 0): it is copied
+        # once, straight from the payloads to the end of the receive buffer, while the
+        # peers' bytes are in flight, which is the overlap Gloo gives its own local copy.
+        mine = incoming[self.rank]
+        peer_sizes, peer_incoming = list(sizes), list(incoming)
+        peer_sizes[self.rank] = peer_incoming[self.rank] = 0
+        from_peers = sum(peer_incoming)
+        recv = self._receive_pool.lease(from_peers + mine)
+        limit = self._proto.limit
+
+        def local() -> Any:
+            if not mine:
+                return None
+            frame = recv[from_peers:]
+            own.write(frame)
+            return decode_many(frame, [mine], max_frame_bytes=limit)[0]
+
+        own_items = self._overlapped(
+            op,
+            lambda: dist.all_to_all_single(
+                torch.from_numpy(recv[:from_peers]),
+                torch.from_numpy(buffer),
+                output_split_sizes=peer_incoming,
+                input_split_sizes=peer_sizes,
+                group=self._group,
+                async_op=True,
+            ),
+            local,
+        )
+        decoded = decode_many(recv[:from_peers], peer_incoming, max_frame_bytes=limit)
+        decoded[self.rank] = own_items
+        return self._proto.merge_exchange(op, decoded)
 
     def _all_gather(self, obj: Any) -> list[Any]:
         op = "all_gather"

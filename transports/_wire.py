@@ -32,11 +32,12 @@ in these documented ways:
 
 **Copies on encode.** Array, tensor, ``bytearray`` and large ``bytes`` data (at least
 ``_INLINE_BYTES_MAX`` bytes) is copied exactly once, straight into the output buffer: the
-encoder packs the headers, measures every frame, allocates once and then copies. Smaller
-``bytes`` and all strings ride inside the msgpack header (copied into the header, then the
-header into the frame), which is cheaper than a descriptor for small values. Tensors with a
-lazy conjugate or negative bit are materialised first (one extra copy). Nesting deeper than
-``_MAX_DEPTH`` levels (or a cycle) is refused.
+encoder packs the headers, measures every frame, allocates once (or reuses a buffer the
+caller passes to :func:`encode_many`, which saves the page faults of fresh memory) and then
+copies. Smaller ``bytes`` and all strings ride inside the msgpack header (copied into the
+header, then the header into the frame), which is cheaper than a descriptor for small
+values. Tensors with a lazy conjugate or negative bit are materialised first (one extra
+copy). Nesting deeper than ``_MAX_DEPTH`` levels (or a cycle) is refused.
 
 **Aliasing on decode.** Decoding never copies array data it does not have to:
 
@@ -488,31 +489,94 @@ def _aligned_empty(nbytes: int) -> npt.NDArray[np.uint8]:
     return raw[start : start + nbytes]
 
 
-def encode_many(objs: Sequence[Any]) -> tuple[npt.NDArray[np.uint8], list[int]]:
+class _PendingFrames:
+    """Frames whose headers are packed and sizes known, with their data not yet copied.
+
+    :func:`encode_many` in two steps, for callers that announce the sizes before paying for
+    the copy (the Gloo transport overlaps the copy with its size exchange). Everything that
+    can reject the input (``EncodeError``, a bad ``out``) happens in the constructor and in
+    :meth:`buffer`; :meth:`write` only copies, so it fails only if a source changed size in
+    between (a byte string mutated by another thread).
+    """
+
+    __slots__ = ("builders", "sizes", "total")
+
+    def __init__(self, objs: Sequence[Any]) -> None:
+        if isinstance(objs, (str, bytes, bytearray)) or not isinstance(objs, Sequence):
+            raise TypeError(
+                f"objs must be a sequence with one object per frame, but got "
+                f"{type(objs).__name__}; wrap a single object in a list or call encode()."
+            )
+        self.builders = [_build(obj, f"objs[{index}]") for index, obj in enumerate(objs)]
+        self.sizes = [builder.size for builder in self.builders]
+        self.total = sum(self.sizes)
+
+    def buffer(self, out: npt.NDArray[np.uint8] | None) -> npt.NDArray[np.uint8]:
+        """Where the frames go: ``out[:total]`` when they fit, else a new aligned buffer."""
+        if out is None:
+            return _aligned_empty(self.total)
+        if not isinstance(out, np.ndarray):
+            raise TypeError(
+                f"out must be a 1-D uint8 numpy array or None, but got {type(out).__name__}; "
+                f"pass the buffer a previous encode_many() returned, or None."
+            )
+        if out.dtype != np.uint8 or out.ndim != 1 or not out.flags.c_contiguous:
+            raise TypeError(
+                f"out must be a 1-D C-contiguous uint8 numpy array, but got dtype {out.dtype}, "
+                f"shape {out.shape} (contiguous: {out.flags.c_contiguous}); pass "
+                f"np.empty(n, dtype=np.uint8)."
+            )
+        if not out.flags.writeable:
+            raise ValueError(
+                "out must be writable, but got a read-only array; pass a writable one."
+            )
+        if self.total > out.size:
+            return _aligned_empty(self.total)
+        # Copying a source into memory it occupies would corrupt it mid-copy. Byte strings
+        # own their memory; arrays (tensors are held as numpy views) are checked by range.
+        for builder in self.builders:
+            for _, nbytes, source in builder.pending:
+                if nbytes and isinstance(source, np.ndarray) and np.may_share_memory(source, out):
+                    raise ValueError(
+                        "out shares memory with an array or tensor being encoded; encode into "
+                        "a different buffer (or pass out=None)."
+                    )
+        return out[: self.total]
+
+    def write(self, buffer: npt.NDArray[np.uint8]) -> None:
+        """Copy every frame into ``buffer`` (from :meth:`buffer`), back to back."""
+        view = buffer.data
+        position = 0
+        for builder, size in zip(self.builders, self.sizes, strict=True):
+            builder.write(view[position : position + size])
+            position += size
+
+
+def encode_many(
+    objs: Sequence[Any], *, out: npt.NDArray[np.uint8] | None = None
+) -> tuple[npt.NDArray[np.uint8], list[int]]:
     """Encode each object as one frame, back to back in one contiguous uint8 buffer.
 
     Returns the buffer and each frame's length in bytes. Lengths are multiples of 64, so
     every frame, and every raw buffer inside it, starts 64-byte aligned. All headers are
-    packed and all frames measured first; then the buffer is allocated once and each array,
-    tensor or body-bound byte string is copied into it exactly once. An empty ``objs`` gives
-    an empty buffer and no lengths. Raises
-    :class:`~evenflow.transports.errors.EncodeError` naming the first value the format
-    cannot carry, e.g. ``objs[2]['images'][3]: unsupported type set.``
+    packed and all frames measured first; then each array, tensor or body-bound byte string
+    is copied exactly once into the buffer. An empty ``objs`` gives an empty buffer and no
+    lengths. Raises :class:`~evenflow.transports.errors.EncodeError` naming the first value
+    the format cannot carry, e.g. ``objs[2]['images'][3]: unsupported type set.``
+
+    ``out`` (a 1-D, C-contiguous, writable uint8 array) lets a caller reuse one buffer
+    across calls: when the frames fit, they are written into its start and the result is
+    ``out[:total]``, a view; when they do not, a new 64-byte aligned buffer is allocated as
+    without ``out`` (``np.shares_memory(result, out)`` tells which happened), so a caller
+    keeping the larger of the two gets a grow-only buffer. Every byte of the result is
+    written, padding included: nothing stale from an earlier use leaves the rank. The caller
+    must not read the previous contents of ``out`` after this call, and no array or tensor
+    in ``objs`` may share memory with ``out`` (``ValueError``).
     """
-    if isinstance(objs, (str, bytes, bytearray)) or not isinstance(objs, Sequence):
-        raise TypeError(
-            f"objs must be a sequence with one object per frame, but got "
-            f"{type(objs).__name__}; wrap a single object in a list or call encode()."
-        )
-    builders = [_build(obj, f"objs[{index}]") for index, obj in enumerate(objs)]
-    sizes = [builder.size for builder in builders]
-    out = _aligned_empty(sum(sizes))
-    view = out.data
-    position = 0
-    for builder, size in zip(builders, sizes, strict=True):
-        builder.write(view[position : position + size])
-        position += size
-    return out, sizes
+    frames = _PendingFrames(objs)
+    buffer = frames.buffer(out)
+    frames.write(buffer)
+    return buffer, frames.sizes
 
 
 def encode(obj: Any) -> npt.NDArray[np.uint8]:

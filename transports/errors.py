@@ -11,6 +11,7 @@ chained with ``from exc`` so the original stays visible::
     └── TransportError             a collective failed
         ├── TransportTimeoutError  a peer did not answer within the group timeout
         ├── PeerFailureError       a peer died or its connection broke
+        ├── PeerEncodeError        a peer could not encode its part of an exchange
         ├── CollectiveMismatchError  ranks issued different collectives at the same turn
         ├── RouteError (ValueError)  a payload addressed to a rank outside the group
         └── TransportClosedError   an operation on a closed transport
@@ -22,6 +23,7 @@ __all__ = [
     "CollectiveMismatchError",
     "EncodeError",
     "EvenflowError",
+    "PeerEncodeError",
     "PeerFailureError",
     "RouteError",
     "TransportClosedError",
@@ -58,6 +60,25 @@ class TransportTimeoutError(TransportError, TimeoutError):
 
 class PeerFailureError(TransportError):
     """A peer process died or its connection broke during a collective."""
+
+
+class PeerEncodeError(TransportError):
+    """Another rank could not encode its payloads, so an exchange moved no data anywhere.
+
+    That rank raises its own ``EncodeError``; the others raise this, naming it in
+    ``failed_ranks`` (group ranks). The group stays usable.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        failed_ranks: tuple[int, ...],
+        rank: int | None = None,
+        op: str | None = None,
+    ) -> None:
+        super().__init__(message, rank=rank, op=op)
+        self.failed_ranks = failed_ranks
 
 
 class CollectiveMismatchError(TransportError):
