@@ -42,6 +42,8 @@ class _Launch:
 
     def run(self) -> None:
         """Run the launch on the current thread and hand its result to the waiting stage."""
+        if self.future.done():  # the stage stopped waiting (its pass was closed): never launch
+            return
         try:
             result = self.fn()
         except BaseException as exc:
@@ -91,6 +93,16 @@ class CallerLauncher:
         if self._changed is not None:
             self._changed.set()
         self._queue.put(_WAKE)
+
+    def clear(self) -> None:
+        """Drop queued launches (their pass was closed); they will never run."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _WAKE:
+                item.loop.call_soon_threadsafe(item.future.cancel)
 
     def _run_queued(self) -> None:
         while True:

@@ -17,7 +17,7 @@ from evenflow.engine._launchpoints import CallerLauncher
 from evenflow.engine._pipeline import Pipeline
 from evenflow.engine._stats import StepStats
 from evenflow.engine._step import StepState
-from evenflow.engine.errors import ConfigError, LoaderStateError
+from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
 
 __all__ = ["BalancedLoader"]
@@ -243,7 +243,7 @@ class BalancedLoader:
                 await self._start_pass()
             pipeline = self._pipeline
             assert pipeline is not None
-            goal = pipeline.next_state()
+            goal = self._next_state(pipeline)
             state = await (self._launcher.pump(goal) if self._launcher else goal)
             if state is None:
                 await self._finish_pass()
@@ -306,7 +306,7 @@ class BalancedLoader:
                 thread.call(self._start_pass())
             pipeline = self._pipeline
             assert pipeline is not None
-            future = thread.submit(pipeline.next_state())
+            future = thread.submit(self._next_state(pipeline))
             state = (
                 self._launcher.pump_blocking(future, self._config.timeout)
                 if self._launcher
@@ -382,8 +382,14 @@ class BalancedLoader:
     # -- epochs and resume -------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Start a new pass at ``epoch``: drops prefetched steps, forwards the epoch to the
-        source's ``set_epoch`` if it has one, and restarts the step count at 0."""
+        """Start a new pass at ``epoch``: forwards the epoch to the source's ``set_epoch`` if
+        it has one and restarts the step count at 0.
+
+        Called mid-pass, it ends the current pass on every rank of the group at the next
+        metadata round (peers see the end of their pass there) and discards the steps in
+        flight, finishing their collectives first so the group stays in step. Every rank must
+        then either call ``set_epoch`` too or keep iterating to the end of its pass.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch must be a non-negative integer, but got {epoch!r}.")
         self._check_open()
@@ -393,7 +399,12 @@ class BalancedLoader:
                     "set_epoch() was called while an async pass is running; await "
                     "loader.aset_epoch(epoch) instead."
                 )
-            self._ensure_thread().call(self._close_pass())
+            thread = self._ensure_thread()
+            future = thread.submit(self._restart_pass())
+            if self._launcher is not None:
+                self._launcher.pump_blocking(future, self._config.timeout)
+            else:
+                future.result()
         self._reset_pass(epoch)
 
     async def aset_epoch(self, epoch: int) -> None:
@@ -401,11 +412,19 @@ class BalancedLoader:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ConfigError(f"epoch must be a non-negative integer, but got {epoch!r}.")
         self._check_open()
-        await self._close_pass()
+        goal = self._restart_pass()
+        await (self._launcher.pump(goal) if self._launcher is not None else goal)
         self._reset_pass(epoch)
+
+    async def _restart_pass(self) -> None:
+        pipeline = self._pipeline
+        if pipeline is not None:
+            await pipeline.drain(self._config.timeout)
+        await self._close_pass()
 
     def _reset_pass(self, epoch: int) -> None:
         self._meter.pause()
+        self._restored = None
         self._epoch = epoch
         self._pass_finished = False
         self._first_step = 0
@@ -509,6 +528,21 @@ class BalancedLoader:
         self._pipeline = pipeline
         pipeline.start()
 
+    async def _next_state(self, pipeline: Pipeline) -> StepState | None:
+        try:
+            # Every collective is bounded by the timeout on its own; a step may need two of
+            # them (its exchange and the next metadata round), hence twice the timeout.
+            async with asyncio.timeout(2 * self._config.timeout):
+                return await pipeline.next_state()
+        except TimeoutError:
+            if pipeline.finished:
+                raise
+            raise StallTimeoutError(
+                f"No step arrived within 2 x timeout={self._config.timeout:g} s on rank "
+                f"{self._transport.rank}; the pipeline is at {pipeline.position()}. A source "
+                "or callback may be blocked; raise LoaderConfig.timeout if steps are slower."
+            ) from None
+
     async def _finish_pass(self) -> None:
         await self._close_pass()
         self._pass_finished = True
@@ -517,6 +551,8 @@ class BalancedLoader:
         pipeline, self._pipeline = self._pipeline, None
         if pipeline is not None:
             await pipeline.aclose()
+        if self._launcher is not None:
+            self._launcher.clear()
 
     async def _release(self) -> None:
         self._stager.close()
@@ -528,6 +564,8 @@ class BalancedLoader:
 
     def _shutdown_executors(self) -> None:
         self._cpu.shutdown(wait=True, cancel_futures=True)
+        # Joins the source thread: a source blocked inside next() delays close() until it
+        # returns (a thread cannot be interrupted).
         self._source_executor.shutdown(wait=True, cancel_futures=True)
 
     def _deliver(self, state: StepState) -> Any:
@@ -545,7 +583,11 @@ class BalancedLoader:
             ):
                 logger.info(stats.log_line())
             if self._stats_callback is not None:
-                self._stats_callback(stats)
+                # Statistics are observability: a failing callback must not cost a step.
+                try:
+                    self._stats_callback(stats)
+                except Exception:
+                    logger.exception("stats_callback raised at step %d; continuing", stats.step)
         return batch
 
     def _begin_wait(self) -> float:

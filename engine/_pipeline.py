@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
@@ -48,16 +48,22 @@ from evenflow.engine._step import (
 from evenflow.engine.errors import (
     ConfigError,
     GroupMismatchError,
+    LoaderStateError,
     PlanningError,
     RemoteStageError,
     ResumeError,
     SourceExhaustedError,
 )
 from evenflow.transports import Transport
+from evenflow.transports.errors import (
+    CollectiveMismatchError,
+    PeerEncodeError,
+    PeerFailureError,
+    TransportClosedError,
+    TransportTimeoutError,
+)
 
 __all__ = ["Pipeline"]
-
-_ERROR_KEY = -1  # first item of a status key sent instead of payloads after a local failure
 
 
 class Pipeline:
@@ -109,6 +115,12 @@ class Pipeline:
         self._exchanging = first_step - 1
         self._gather_done = False
         self._progress = asyncio.Event()
+        self._pending: StepState | None = None  # received, awaiting confirmation
+        self._failure: BaseException | None = None  # the error already raised to the caller
+        self._closed = False
+        self._stop_reading = False  # set by drain(): end the pass at the next read
+        self._stop_event = asyncio.Event()
+        self._recv_task: asyncio.Future[StepState] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -128,17 +140,21 @@ class Pipeline:
                 tg.start_soon(self._stage, "plan", gath_r, plan_s, self._plan)
                 tg.start_soon(self._stage, "exchange", plan_r, exch_s, self._exchange)
                 tg.start_soon(self._stage, "pack", exch_r, self._out_send, self._pack)
-        except BaseException as exc:  # a bug in a stage driver, or cancellation by close()
+        except BaseException as exc:  # a stage crashed, the group failed, or close() cancelled
             self._gather_done = True
             self.notify()
-            self._fatal = exc.exceptions[0] if isinstance(exc, BaseExceptionGroup) else exc
-            await self._sequencer.fail(self._fatal)
+            if self._fatal is None:
+                self._fatal = _first_error(exc)
+            await self._sequencer.fail(_Aborted("the pipeline stopped"))
             self._confirm_all_pending(self._fatal)
             if not isinstance(exc, (Exception, BaseExceptionGroup)):
                 raise
 
     async def aclose(self) -> None:
         """Cancel every stage and wait for them; in-flight executor work is abandoned."""
+        self._closed = True
+        if self._recv_task is not None:
+            self._recv_task.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -148,21 +164,83 @@ class Pipeline:
     # -- caller side --------------------------------------------------------------------------
 
     async def next_state(self) -> StepState | None:
-        """The next deliverable step; raises its error; ``None`` at the end of the pass."""
+        """The next deliverable step; raises its error; ``None`` at the end of the pass.
+
+        Cancellation-safe: a step taken off the channel but not yet confirmed is kept and
+        returned by the next call. After an error has been raised, every later call raises
+        ``LoaderStateError`` (the pass is over; ``set_epoch()`` starts a new one).
+        """
+        if self._closed:
+            raise LoaderStateError("This pass was closed; no more steps will be delivered.")
+        if self._failure is not None:
+            raise LoaderStateError(
+                f"This pass already failed with {type(self._failure).__name__}: "
+                f"{self._failure}. Call set_epoch() to start a new pass, or close()."
+            ) from self._failure
+        state = self._pending
+        if state is None:
+            # The receive runs in its own task: a cancelled caller must not lose a step that
+            # the channel already handed over.
+            if self._recv_task is None:
+                self._recv_task = asyncio.ensure_future(self._out_recv.receive())
+            try:
+                state = await asyncio.shield(self._recv_task)
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                self._recv_task = None
+                return await self._end_of_stream()
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if self._closed and (current is None or current.cancelling() == 0):
+                    raise LoaderStateError(
+                        "The loader was closed while this call waited for a step."
+                    ) from None
+                raise
+            self._recv_task = None
+            self._pending = state
         try:
-            state = await self._out_recv.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            if self._fatal is not None:
-                raise self._fatal from None
-            return None
-        if state.terminal:
+            if state.terminal:
+                self._pending = None
+                self._raise_for(state)
+                return None
+            assert state.confirmed is not None
+            await asyncio.shield(state.confirmed)
+            self._pending = None
+            self._slots.release()
             self._raise_for(state)
-            return None
-        assert state.confirmed is not None
-        await state.confirmed
-        self._raise_for(state)
-        self._slots.release()
+        except (asyncio.CancelledError, LoaderStateError):
+            raise
+        except BaseException as exc:
+            self._failure = exc
+            raise
         return state
+
+    async def _end_of_stream(self) -> None:
+        """The output channel ended without a final round: report why."""
+        if self._task is not None and not self._task.done() and not self._closed:
+            await asyncio.wait([self._task])
+        if self._closed:
+            raise LoaderStateError("The loader was closed while this call waited for a step.")
+        error = self._fatal or LoaderStateError(
+            "The pipeline ended without a final metadata round; this is a bug in evenflow."
+        )
+        self._failure = error
+        raise error
+
+    async def drain(self, timeout: float) -> None:
+        """End the pass early on every rank of the group without breaking collective order.
+
+        Stops reading: the next read announces ``end`` (reason ``restart``) in its metadata
+        round, which ends the pass on every rank at that step. Steps already in flight are
+        finished and discarded. Peers must keep iterating or drain too.
+        """
+        self._stop_reading = True
+        self._stop_event.set()
+        self.notify()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(timeout):
+                while not self._closed and self._failure is None:
+                    if await self.next_state() is None:
+                        break
 
     def notify(self) -> None:
         """Wake :meth:`wait_until` callers (progress was made)."""
@@ -173,6 +251,10 @@ class Pipeline:
         """Wait until ``predicate()`` holds or the pipeline can make no more progress."""
         while not predicate() and not self.finished:
             await self._progress.wait()
+
+    def position(self) -> str:
+        step, phase = self._sequencer.position
+        return f"collective turn ({step}, {phase!r}), last gathered step {self.gathered_step}"
 
     @property
     def finished(self) -> bool:
@@ -212,16 +294,41 @@ class Pipeline:
             step = self.first_step
             while True:
                 limit = self._config.max_steps
-                if limit is not None and step >= limit:
+                if not self._stop_reading and limit is not None and step >= limit:
                     await send.send(StepState(step, status="end", end_reason="limit"))
                     return
-                await self._slots.acquire()
-                with self._tracer.span("read", step):
-                    state = await self._read(step)
+                acquired = await self._unless_stopped(self._slots.acquire())
+                state: StepState | None = None
+                if acquired is not None:
+                    with self._tracer.span("read", step):
+                        state = await self._unless_stopped(self._read(step))
+                if state is None:
+                    # drain(): announce the end of the pass; a read still blocked in the
+                    # source is abandoned (its result is discarded when it returns).
+                    await send.send(StepState(step, status="end", end_reason="restart"))
+                    return
                 await send.send(state)
                 if state.status != "ok":
                     return
                 step += 1
+
+    async def _unless_stopped(self, work: Any) -> Any:
+        """Await ``work`` unless :meth:`drain` stops the reader first (then ``None``)."""
+        if self._stop_reading:
+            work.close()
+            return None
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop_event.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():  # stopped, or this stage itself was cancelled
+                task.cancel()
+        if task.done() and not task.cancelled():
+            result = task.result()
+            return True if result is None or result is True else result
+        return None
 
     async def _read(self, step: int) -> StepState:
         state = StepState(step)
@@ -277,6 +384,13 @@ class Pipeline:
                 f"Each source step must be a sequence of bins_per_rank={n} bins, but got {got}. "
                 "Make the source yield one list of bins (each a list of samples) per step."
             )
+        for i, b in enumerate(raw):
+            if isinstance(b, (str, bytes, bytearray, Mapping)) or not hasattr(b, "__len__"):
+                raise ConfigError(
+                    f"Source step bin {i} must be a sequence of samples, but got "
+                    f"{type(b).__name__}. A step is a list of bins_per_rank bins, each a list "
+                    "of samples; did the source skip the bin level?"
+                )
         bins = [list(b) for b in raw]
         for i, b in enumerate(bins):
             if not b:
@@ -314,7 +428,7 @@ class Pipeline:
         try:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
-            await self._group_failed(state, exc)
+            await self._group_failed(state, exc, "gather")
             return
         await self._sequencer.advance(state.step, "gather")
         self.gathered_step = state.step
@@ -378,7 +492,8 @@ class Pipeline:
         if "end" in statuses:
             state.terminal = True
             ended = [self._global_ranks[r] for r, s in enumerate(statuses) if s == "end"]
-            if len(ended) < len(statuses) and self._config.on_uneven_end == "raise":
+            restart = any(m.get("end_reason") == "restart" for m in messages)
+            if len(ended) < len(statuses) and self._config.on_uneven_end == "raise" and not restart:
                 state.remote = SourceExhaustedError(
                     f"The sources of ranks {ended} ended at step {state.step} while the other "
                     f"ranks of the group still had data. Give every rank the same number of "
@@ -386,10 +501,12 @@ class Pipeline:
                 )
             state.status = "end"
 
-    async def _group_failed(self, state: StepState, exc: BaseException) -> None:
+    async def _group_failed(self, state: StepState, exc: BaseException, stage: str) -> None:
         """A collective failed: the group is unusable; release everything with ``exc``."""
-        state.fail("gather", exc)
+        state.fail(stage, exc)
         state.terminal = True
+        if self._fatal is None:
+            self._fatal = exc
         self._gather_done = True
         self.notify()
         await self._sequencer.fail(exc)
@@ -416,10 +533,30 @@ class Pipeline:
                 )
             except Exception as exc:
                 state.fail("plan", exc)
+                if not leader and self._transport.num_ranks > 1:
+                    await self._abort_after_local_planning_failure(state, exc)
+                    return
         await self._sequencer.turn(state.step, "broadcast")
         if leader:
             await self._broadcast_plan(state, messages)
         await self._sequencer.advance(state.step, "broadcast")
+
+    async def _abort_after_local_planning_failure(
+        self, state: StepState, exc: BaseException
+    ) -> None:
+        """Replicated planning failed here. Peers decide from their own plans whether this
+        step exchanges payloads, which this rank cannot know without a plan, so no later
+        collective could be paired safely. Close the transport instead: peers fail promptly
+        with a peer-failure error (a deterministic planning error fails every rank the same
+        way, each raising its own exception) rather than waiting for a timeout."""
+        state.terminal = True
+        if self._fatal is None:
+            self._fatal = exc
+        self._gather_done = True
+        self.notify()
+        with contextlib.suppress(Exception):
+            await self._transport.aclose()
+        await self._sequencer.fail(_Aborted("planning failed on this rank"))
 
     def _plan_sync(self, step: int, messages: list[dict[str, Any]]) -> tuple[Plan, Any]:
         samples, bins, owner = peer_samples(messages, step, self._budget_names)
@@ -437,7 +574,7 @@ class Pipeline:
         try:
             received = await self._transport.broadcast(payload, src=0)
         except BaseException as exc:
-            await self._group_failed(state, exc)
+            await self._group_failed(state, exc, "plan")
             return
         if self._rank == 0:
             return
@@ -471,34 +608,24 @@ class Pipeline:
             self._exchanging = state.step
             try:
                 state.received = await self._transport.exchange(outgoing)
-            except BaseException as exc:
-                if not _is_local_encode_error(exc):
-                    await self._group_failed(state, exc)
-                    return
-                # Nothing moved: the encoder failed before any collective. Announce the
-                # failure through the same collective so the group stays in step.
-                state.fail("exchange", exc)
-                marker = {
-                    t: [((_ERROR_KEY, self._rank), {"failed": True})]
-                    for t in range(self._transport.num_ranks)
-                }
-                try:
-                    state.received = await self._transport.exchange(marker)
-                except BaseException as exc2:
-                    await self._group_failed(state, exc2)
-                    return
-            failed = [
-                k for k in state.received if isinstance(k, tuple) and k and k[0] == _ERROR_KEY
-            ]
-            if failed and state.error is None and state.remote is None:
-                rank = int(failed[0][1])
+            except PeerEncodeError as exc:
+                # No data moved anywhere; the failing rank announces its own error in the next
+                # metadata round, which replaces this summary with its message.
+                failed = exc.failed_ranks[0] if exc.failed_ranks else 0
                 state.remote = RemoteStageError(
-                    failed_rank=self._global_ranks[rank],
+                    failed_rank=self._global_ranks[failed],
                     stage="exchange",
                     step=state.step,
                     error_type="EncodeError",
-                    message="a payload could not be encoded",
+                    message=str(exc),
                 )
+            except _GROUP_FAILURES as exc:
+                await self._group_failed(state, exc, "exchange")
+                return
+            except Exception as exc:
+                # This rank could not encode its payloads; by the transport contract its peers
+                # were told (PeerEncodeError) and the group is still in step.
+                state.fail("exchange", exc)
         self.exchanged_step = state.step
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
@@ -565,10 +692,25 @@ class Pipeline:
         return batch, staged
 
 
-def _is_local_encode_error(exc: BaseException) -> bool:
-    from evenflow.transports.errors import EncodeError, RouteError
+class _Aborted(Exception):
+    """Raised in stages waiting for a turn after the pipeline stopped."""
 
-    return isinstance(exc, (EncodeError, RouteError))
+
+def _first_error(exc: BaseException) -> BaseException:
+    """The first error inside a (possibly nested) exception group that is not a cancellation."""
+    if isinstance(exc, BaseExceptionGroup):
+        found = [_first_error(e) for e in exc.exceptions]
+        real = [e for e in found if not isinstance(e, (asyncio.CancelledError, _Aborted))]
+        return (real or found)[0]
+    return exc
+
+
+_GROUP_FAILURES = (
+    TransportTimeoutError,
+    PeerFailureError,
+    CollectiveMismatchError,
+    TransportClosedError,
+)
 
 
 def _plan_to_wire(plan: Plan) -> dict[str, Any]:

@@ -59,7 +59,7 @@ class StepState:
 
     step: int
     status: str = "ok"  # "ok" | "end" | "error"
-    end_reason: str = ""  # "exhausted" | "limit"
+    end_reason: str = ""  # "exhausted" | "limit" | "restart"
     bins: list[list[Any]] | None = None
     metas: list[SampleMetadata] | None = None
     source_state: Any = None
@@ -97,6 +97,7 @@ def build_message(
         "step": state.step,
         "first": first_step,
         "status": state.status,
+        "end_reason": state.end_reason,
         "prev": prev,
         "error": None,
     }

@@ -10,6 +10,7 @@
     ├── GroupMismatchError              ranks disagree (plan digest, config fingerprint, step)
     ├── ResumeError (ValueError)        a checkpoint does not match this loader
     ├── SourceExhaustedError            a rank's source ended early and ``on_uneven_end="raise"``
+    ├── StallTimeoutError (TimeoutError) no step arrived within ``LoaderConfig.timeout``
     └── TransportError ...              (see evenflow.transports.errors)
 """
 
@@ -19,6 +20,7 @@ from evenflow.transports.errors import (
     CollectiveMismatchError,
     EncodeError,
     EvenflowError,
+    PeerEncodeError,
     PeerFailureError,
     RouteError,
     TransportClosedError,
@@ -34,12 +36,14 @@ __all__ = [
     "EvenflowError",
     "GroupMismatchError",
     "LoaderStateError",
+    "PeerEncodeError",
     "PeerFailureError",
     "PlanningError",
     "RemoteStageError",
     "ResumeError",
     "RouteError",
     "SourceExhaustedError",
+    "StallTimeoutError",
     "TransportClosedError",
     "TransportError",
     "TransportTimeoutError",
@@ -89,3 +93,7 @@ class ResumeError(EvenflowError, ValueError):
 
 class SourceExhaustedError(EvenflowError):
     """A rank's source ended before the others' (raised when ``on_uneven_end='raise'``)."""
+
+
+class StallTimeoutError(EvenflowError, TimeoutError):
+    """No step reached the caller within ``LoaderConfig.timeout`` (a blocked source or stage)."""

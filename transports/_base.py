@@ -68,7 +68,10 @@ class Transport(abc.ABC):
     **What to raise.** ``RouteError`` (before any data moves) for a target outside
     ``range(num_ranks)``; ``TransportTimeoutError`` when peers do not answer within
     ``timeout`` seconds; ``PeerFailureError`` when a peer dies; ``TransportClosedError`` after
-    ``aclose()``; ``EncodeError`` for values the wire format cannot carry. Foreign exceptions
+    ``aclose()``. A rank whose exchange payloads cannot be encoded still takes part in the
+    operation: it raises ``EncodeError`` and every other rank raises ``PeerEncodeError`` naming
+    it; no data moves and the group stays usable (the engine relies on this to fail every rank
+    at the same step). Foreign exceptions
     are chained (``raise ... from exc``) and messages name the rank and the operation. After
     a timeout or peer failure the group is dead: later operations raise promptly.
 

@@ -39,6 +39,7 @@ from evenflow.transports._base import Outgoing, Transport
 from evenflow.transports._local import _check_outgoing_mapping, _pack_outgoing, _unpack_into
 from evenflow.transports.errors import (
     CollectiveMismatchError,
+    PeerEncodeError,
     PeerFailureError,
     TransportError,
     TransportTimeoutError,
@@ -423,21 +424,42 @@ class InProcessTransport(Transport):
             self._check_routes(outgoing)
             packed = _pack_outgoing(self._rank, outgoing)
             targets = sorted(packed)
-            buffer, sizes = _wire.encode_many([packed[t] for t in targets])
-            deliveries = []
-            start = 0
-            for target, size in zip(targets, sizes, strict=True):
-                deliveries.append((target, buffer[start : start + size]))
-                start += size
+            local_error: Exception | None = None
+            deliveries: list[tuple[int, Any]] = []
+            try:
+                buffer, sizes = _wire.encode_many([packed[t] for t in targets])
+            except Exception as exc:
+                # Join the operation anyway, with a failure marker for every rank, so the
+                # group stays in step and every peer learns who failed (as on Gloo).
+                local_error = exc
+                deliveries = [(target, None) for target in range(self._num_ranks)]
+            else:
+                start = 0
+                for target, size in zip(targets, sizes, strict=True):
+                    deliveries.append((target, buffer[start : start + size]))
+                    start += size
             slot = await self._collective("exchange", None, None, deliveries)
             try:
                 # Arrival order is timing-dependent; sender order is not.
                 mail = sorted(slot.inboxes.get(self._rank, ()), key=lambda item: item[0])
+                failed = sorted({sender for sender, frame in mail if frame is None})
                 senders = [sender for sender, _ in mail]
                 frames = [frame for _, frame in mail]
-                incoming = _receive_buffer(frames)
+                if local_error is None and not failed:
+                    incoming = _receive_buffer(frames)
             finally:
                 self._group._release(slot)
+            if local_error is not None:
+                raise local_error
+            if failed:
+                raise PeerEncodeError(
+                    f"Rank {self._rank}: exchange was abandoned because rank(s) "
+                    f"{', '.join(map(str, failed))} could not encode their payloads (their own "
+                    "error says why). No data was moved; the group is still usable.",
+                    failed_ranks=tuple(failed),
+                    rank=self._rank,
+                    op="exchange",
+                )
             messages = _wire.decode_many(incoming, [frame.size for frame in frames])
             received: dict[Hashable, Any] = {}
             for sender, message in zip(senders, messages, strict=True):

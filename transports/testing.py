@@ -36,6 +36,7 @@ from evenflow.transports._base import Transport
 from evenflow.transports._inprocess import InProcessGroup, InProcessTransport
 from evenflow.transports.errors import (
     EncodeError,
+    PeerEncodeError,
     RouteError,
     TransportClosedError,
     TransportError,
@@ -362,6 +363,27 @@ async def _check_local_errors(t: Transport) -> None:
     await _expect_error(EncodeError, t.exchange({remote: [((rank,), {"x": {3}})]}), check, rank)
     gathered = await t.all_gather(rank)
     _assert_same(gathered, list(range(n)), "all_gather after EncodeError", check, rank)
+
+    if n > 1:
+        # Only rank 0 cannot encode: it raises EncodeError, every other rank PeerEncodeError
+        # naming it, no data moves, and the group stays in step.
+        check = "PeerEncodeError"
+        payload: Any = object() if rank == 0 else "fine"
+        call = t.exchange({(rank + 1) % n: [((rank,), payload)]})
+        if rank == 0:
+            await _expect_error(EncodeError, call, check, rank)
+        else:
+            try:
+                await call
+            except PeerEncodeError as exc:
+                if 0 not in exc.failed_ranks:
+                    raise _fail(
+                        check, rank, f"failed_ranks {exc.failed_ranks} omit rank 0."
+                    ) from exc
+            else:
+                raise _fail(check, rank, "a peer's encode failure was not reported.")
+        gathered = await t.all_gather(rank)
+        _assert_same(gathered, list(range(n)), "all_gather after PeerEncodeError", check, rank)
 
 
 async def _check_mixed(t: Transport) -> None:
