@@ -218,7 +218,9 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     distinct empty bin, so every bin ends non-empty; afterwards a sample goes to the feasible
     bin minimising (rank load, capacity left after insertion, rank tokens, rank, bin). Rank
     tokens add ``min(tokens, seq_len)``. Loads are Python floats summed in the same order as
-    the reference, so ties resolve identically.
+    the reference, so ties resolve identically. After the first phase, steps without packing
+    budgets are placed by :func:`_place_plain` (about 1-2 microseconds per sample); steps
+    with budgets use a heap of ``(load, tokens, rank)`` tuples and check budgets per bin.
     """
     num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
     num_bins = num_ranks * per_rank
@@ -226,7 +228,8 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     n = problem.num_samples
     if n < num_bins:
         return None
-    order = np.lexsort((-problem.tokens, -problem.costs)).tolist()
+    order_array = np.lexsort((-problem.tokens, -problem.costs))
+    order: list[int] = order_array.tolist()
     costs: list[float] = problem.costs.tolist()
     tokens: list[int] = problem.tokens.tolist()
     budgets = list(problem.constraints.budgets.values())
@@ -265,50 +268,49 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     # up, so this never hides a feasible rank, and with costs that grow with length (tokens
     # then only shrink along the order) each rank is parked and released a bounded number of
     # times instead of being re-examined for every sample.
-    rest = order[num_bins:]
-    if any(tokens[i] > seq_len for i in rest):
+    rest_index = order_array[num_bins:]
+    if rest_index.size == 0:
+        return bins
+    rest_tokens: list[int] = problem.tokens[rest_index].tolist()
+    if max(rest_tokens) > seq_len:
         return None  # an oversized sample needs an empty bin; none is left after phase 1
-    # Fill of each rank's emptiest bin (a rank can take t tokens iff it is <= seq_len - t).
+    rest_costs: list[float] = problem.costs[rest_index].tolist()
+    rest = order[num_bins:]
+    appenders = [b.append for b in bins]
+    parked: list[tuple[int, tuple[float, int, int]]] = []
+    if not budgets:
+        placed = _place_plain(
+            heap,
+            rest=rest,
+            rest_tokens=rest_tokens,
+            rest_costs=rest_costs,
+            bin_tokens=bin_tokens,
+            appenders=appenders,
+            per_rank=per_rank,
+            seq_len=seq_len,
+        )
+        return bins if placed else None
+    # With budgets: a heap of (load, tokens, rank) tuples, whose order is the rule's own.
     # Two sentinel ranks of infinite load sit below every real entry, so heap[1] and
     # heap[2] always exist and popping a sentinel means no real rank is feasible.
-    emptiest = [min(row) for row in bin_tokens] + [seq_len + 1, seq_len + 1]
     heap.extend([(math.inf, 0, num_ranks), (math.inf, 0, num_ranks + 1)])
-    parked: list[tuple[int, tuple[float, int, int]]] = []
     skipped: list[tuple[float, int, int]] = []
-    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
-    rest_tokens = [tokens[i] for i in rest]
-    rest_costs = [costs[i] for i in rest]
+    heappop, heappush = heapq.heappop, heapq.heappush
     for i, t, c in zip(rest, rest_tokens, rest_costs, strict=True):
-        while parked and -parked[0][0] >= t:
-            heappush(heap, heappop(parked)[1])
+        if parked:
+            while parked and -parked[0][0] >= t:
+                heappush(heap, heappop(parked)[1])
         limit = seq_len - t
-        entry = heap[0]
-        r = entry[2]
-        load = entry[0]
-        if not budgets and emptiest[r] <= limit and heap[1][0] != load and heap[2][0] != load:
-            # The common case, one heap operation: the lightest rank fits the sample and no
-            # other rank ties it on load (the next-lightest is one of the root's children).
-            row_tokens = bin_tokens[r]
-            fill = -1
-            slot = 0
-            for p, v in enumerate(row_tokens):
-                if limit >= v > fill:
-                    fill = v
-                    slot = p
-            row_tokens[slot] = fill + t
-            emptiest[r] = min(row_tokens)
-            bins[r * per_rank + slot].append(i)
-            heapreplace(heap, (load + c, entry[1] + t, r))
-            continue
-        row = budget_rows[i] if budgets else None
+        row = budget_rows[i]
         # The first rank (in load order) with a feasible bin, and its best bin.
         while True:
             entry = heappop(heap)
             r = entry[2]
             if r >= num_ranks:
                 return None  # a sentinel: every real rank is parked or skipped
-            if emptiest[r] > limit:
-                heappush(parked, (emptiest[r] - seq_len, entry))
+            emptiest = min(bin_tokens[r])
+            if emptiest > limit:
+                heappush(parked, (emptiest - seq_len, entry))
                 continue
             slot = _best_bin(bin_tokens[r], limit, row, bin_budget[r], budgets)
             if slot >= 0:
@@ -323,7 +325,7 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
                 q = other[2]
                 other_slot = (
                     _best_bin(bin_tokens[q], limit, row, bin_budget[q], budgets)
-                    if emptiest[q] <= limit
+                    if q < num_ranks
                     else -1
                 )
                 candidate = (limit - bin_tokens[q][other_slot], other[1], q, other_slot)
@@ -333,20 +335,149 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
                 else:
                     skipped.append(other)
             entry, r, slot = best_entry, best[2], best[3]
-        bins[r * per_rank + slot].append(i)
-        row_tokens = bin_tokens[r]
-        row_tokens[slot] += t
-        emptiest[r] = min(row_tokens)
-        if row is not None:
-            acc = bin_budget[r][slot]
-            for k, value in enumerate(row):
-                acc[k] += value
+        appenders[r * per_rank + slot](i)
+        bin_tokens[r][slot] += t
+        acc = bin_budget[r][slot]
+        for k, value in enumerate(row):
+            acc[k] += value
         heappush(heap, (entry[0] + c, entry[1] + t, r))
         if skipped:
             for other in skipped:
                 heappush(heap, other)
             skipped.clear()
     return bins
+
+
+def _place_plain(
+    heap: list[tuple[float, int, int]],
+    *,
+    rest: list[int],
+    rest_tokens: list[int],
+    rest_costs: list[float],
+    bin_tokens: list[list[int]],
+    appenders: list[Callable[[int], None]],
+    per_rank: int,
+    seq_len: int,
+) -> bool:
+    """Phase 2 of :func:`lpt_assign` without budgets; ``False`` on a dead end.
+
+    The heap holds bare float loads, one per rank not parked: comparing floats is about twice
+    as fast as comparing ``(load, tokens, rank)`` tuples, and heap work is most of the cost
+    per sample. ``owner`` maps a load held by one rank to that rank, and a load several
+    ranks share to ``-1`` (their ranks are in ``shared``). The usual sample meets a root held
+    by one rank: best fit in that rank, one ``heapreplace``. At a shared root, every tied rank
+    in the heap is examined and the smallest (capacity left, rank tokens, rank, bin) wins,
+    exactly as the tuple heap orders them. Rank tokens are summed on the side.
+    """
+    num_ranks = len(bin_tokens)
+    owner: dict[float, int] = {}
+    shared: dict[float, list[int]] = {}
+    rank_tokens = [0] * num_ranks
+    loads: list[float] = []
+    for load, tokens, r in heap:
+        rank_tokens[r] = tokens
+        loads.append(load)
+        _register(owner, shared, load, r)
+    heapq.heapify(loads)
+    parked = [False] * num_ranks
+    waiting: list[tuple[int, float, int]] = []  # (fill of emptiest bin - seq_len, load, rank)
+    heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    for i, t, c in zip(rest, rest_tokens, rest_costs, strict=True):
+        if waiting and -waiting[0][0] >= t:
+            while waiting and -waiting[0][0] >= t:
+                _, load, r = heappop(waiting)
+                parked[r] = False
+                heappush(loads, load)
+        limit = seq_len - t
+        while True:
+            if not loads:
+                return False  # every rank is parked: no bin can take the sample
+            load = loads[0]
+            r = owner[load]
+            if r >= 0:
+                row_tokens = bin_tokens[r]
+                fill = -1
+                slot = 0
+                for p, v in enumerate(row_tokens):
+                    if limit >= v > fill:
+                        fill = v
+                        slot = p
+                if fill >= 0:
+                    row_tokens[slot] = fill + t
+                    appenders[r * per_rank + slot](i)
+                    rank_tokens[r] += t
+                    new = load + c
+                    del owner[load]
+                    if new in owner:
+                        _register(owner, shared, new, r)
+                    else:
+                        owner[new] = r
+                    heapreplace(loads, new)
+                    break
+                heappop(loads)
+                parked[r] = True
+                heappush(waiting, (min(row_tokens) - seq_len, load, r))
+                continue
+            # Ranks tied on load: take every one of them off the heap and compare.
+            best: tuple[int, int, int, int] | None = None
+            tied = [q for q in shared[load] if not parked[q]]
+            for q in tied:
+                heappop(loads)
+                row_tokens = bin_tokens[q]
+                fill = -1
+                slot = 0
+                for p, v in enumerate(row_tokens):
+                    if limit >= v > fill:
+                        fill = v
+                        slot = p
+                if fill < 0:
+                    parked[q] = True
+                    heappush(waiting, (min(row_tokens) - seq_len, load, q))
+                    continue
+                candidate = (limit - fill, rank_tokens[q], q, slot)
+                if best is None or candidate < best:
+                    best = candidate
+            if best is None:
+                continue  # none of them has room: they are parked, look further
+            _, _, r, slot = best
+            for q in tied:
+                if q != r and not parked[q]:
+                    heappush(loads, load)
+            bin_tokens[r][slot] += t
+            appenders[r * per_rank + slot](i)
+            rank_tokens[r] += t
+            new = load + c
+            _unregister(owner, shared, load, r)
+            _register(owner, shared, new, r)
+            heappush(loads, new)
+            break
+    return True
+
+
+def _register(owner: dict[float, int], shared: dict[float, list[int]], load: float, r: int) -> None:
+    """Record that rank ``r`` now has ``load`` (see :func:`_place_plain`)."""
+    other = owner.get(load)
+    if other is None:
+        owner[load] = r
+    elif other >= 0:
+        owner[load] = -1
+        shared[load] = [other, r]
+    else:
+        shared[load].append(r)
+
+
+def _unregister(
+    owner: dict[float, int], shared: dict[float, list[int]], load: float, r: int
+) -> None:
+    """Record that rank ``r`` no longer has ``load``."""
+    if owner[load] >= 0:
+        del owner[load]
+        return
+    ranks = shared[load]
+    ranks.remove(r)
+    if len(ranks) == 1:
+        owner[load] = ranks[0]
+        del shared[load]
 
 
 def _best_bin(

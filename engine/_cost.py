@@ -301,27 +301,47 @@ def evaluate_costs(
     metas: Sequence[SampleMetadata],
     *,
     keys: Sequence[SampleKey] | None = None,
+    tokens: np.ndarray | None = None,
 ) -> np.ndarray:
     """Costs of ``metas`` as a float64 vector, validated.
 
     A result that is not a real number, or is NaN, infinite or negative, raises
     ``PlanningError`` naming the sample (its index, and its key when ``keys`` is given). An
     exception raised by the model propagates unchanged with a note naming the sample.
+
+    ``tokens``, when given, must be the token counts of ``metas`` (an integer array of the
+    same length, e.g. read once by the caller for other uses); :class:`TokenCost` and
+    :class:`QuadraticCost` then compute from it without reading the metadata again. Other
+    models ignore it.
     """
     metas = _check_inputs(metas, keys)
     if type(model) is TokenCost or type(model) is QuadraticCost:
         # Exact built-in models: one vectorised pass, same arithmetic order as their __call__.
-        tokens = np.fromiter((m.tokens for m in metas), dtype=np.float64, count=len(metas))
+        lengths = _token_vector(metas, tokens)
         if not isinstance(model, QuadraticCost):
-            return tokens
+            return lengths
         with np.errstate(over="ignore"):
-            costs = model.linear * tokens + model.quadratic * tokens * tokens
+            costs: np.ndarray = model.linear * lengths + model.quadratic * lengths * lengths
         if np.isfinite(costs).all():
             return costs
         # Astronomical token counts overflow; the per-sample path below names the sample.
     out = np.empty(len(metas), dtype=np.float64)
     _fill(out, model, metas, keys, f"cost model {cost_model_id(model)!r}")
     return out
+
+
+def _token_vector(metas: Sequence[SampleMetadata], tokens: np.ndarray | None) -> np.ndarray:
+    """Token counts of ``metas`` as float64, from ``tokens`` when the caller has them."""
+    if tokens is None:
+        return np.fromiter((m.tokens for m in metas), dtype=np.float64, count=len(metas))
+    given = np.asarray(tokens)
+    if given.shape != (len(metas),) or given.dtype.kind not in "iu":
+        raise ConfigError(
+            f"tokens must be an integer vector with one entry per sample ({len(metas)}), but "
+            f"got shape {given.shape} and dtype {given.dtype}; pass the samples' token counts "
+            "or None."
+        )
+    return given.astype(np.float64)
 
 
 def evaluate_components(

@@ -42,7 +42,6 @@ its components.
 from __future__ import annotations
 
 import heapq
-import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -98,34 +97,56 @@ class RefineAlgorithm:
 
     def assign(self, problem: BalanceProblem) -> list[list[int]] | None:
         """The refined layout, or ``None`` when nothing beats the source layout."""
-        from evenflow.engine._algorithms import lpt_assign
+        from evenflow.engine._algorithms import _flatten, lpt_assign
 
-        source = [list(b) for b in problem.source_bins]
         if problem.num_ranks < 2:
             return None
+        # Each layout is flattened once and scored once: at 100,000 samples a flattening
+        # pass costs ~10 ms, more than a dozen search attempts.
+        source = [list(b) for b in problem.source_bins]
+        starts = [_Layout(source, *_flatten(source))]
         lpt = lpt_assign(problem)
-        starts = [source]
         if lpt is not None:
-            starts.append(lpt)
+            starts.append(_Layout(lpt, *_flatten(lpt)))
         if problem.bins_per_rank > 1:
-            starts.append(_deal_bins(problem, source))
-        scores = [problem.score(s) for s in starts]
+            starts.append(_deal_bins(problem, starts[0]))
+        scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
         budget = _default_budget(problem) if self.max_iterations is None else self.max_iterations
         if problem.num_samples <= _MULTI_START_SAMPLES:
-            searched = [_Search(problem, s).run(budget) for s in starts]
+            searches = [_Search(problem, s) for s in starts]
         else:
             best = min(range(len(starts)), key=scores.__getitem__)
-            searched = [_Search(problem, starts[best]).run(budget)]
-        candidates = [*searched, *starts[1:]]
+            searches = [_Search(problem, starts[best])]
+        # Same candidates, order and strict comparison as scoring every layout afresh: the
+        # searched layouts first, then LPT and the dealt bins; ties keep the earlier one.
+        candidates: list[tuple[list[list[int]], float]] = []
+        for search in searches:
+            layout = search.run(budget)
+            candidates.append((layout, _score_of(problem, search.rank_of())))
+        candidates.extend((s.bins, score) for s, score in zip(starts[1:], scores[1:], strict=True))
         best_layout: list[list[int]] | None = None
         best_score = scores[0]
-        for layout in candidates:
-            if not _budgets_hold(problem, layout):
-                continue  # rounding in incremental budget sums; the exact replay decides
-            score = problem.score(layout)
-            if score < best_score:
+        for layout, score in candidates:
+            if score < best_score and _budgets_hold(problem, layout):
+                # The budget replay is exact where incremental sums may round.
                 best_layout, best_score = layout, score
         return best_layout
+
+
+class _Layout:
+    """A layout as bins of sample indices plus its flattened form (see ``_flatten``)."""
+
+    __slots__ = ("bins", "flat", "sizes")
+
+    def __init__(self, bins: list[list[int]], flat: np.ndarray, sizes: np.ndarray) -> None:
+        self.bins = bins
+        self.flat = flat
+        self.sizes = sizes
+
+
+def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:
+    """``problem.score`` of the layout whose samples go to ranks ``rank_of``."""
+    return float(problem.objective(problem.rank_costs_of(rank_of)))
 
 
 def _default_budget(problem: BalanceProblem) -> int:
@@ -143,22 +164,28 @@ def _default_budget(problem: BalanceProblem) -> int:
     return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
 
 
-def _deal_bins(problem: BalanceProblem, bins: list[list[int]]) -> list[list[int]]:
+def _deal_bins(problem: BalanceProblem, source: _Layout) -> _Layout:
     """Whole bins dealt heaviest first to the least-loaded rank that still lacks a bin."""
-    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-    flat = np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
-    bin_ids = np.repeat(np.arange(len(bins), dtype=np.int64), sizes)
-    bin_costs = np.bincount(bin_ids, weights=problem.costs[flat], minlength=len(bins))
-    order = np.lexsort((np.arange(len(bins)), -bin_costs)).tolist()
+    bins, flat, sizes = source.bins, source.flat, source.sizes
+    num_bins = len(bins)
+    bin_ids = np.repeat(np.arange(num_bins, dtype=np.int64), sizes)
+    bin_costs = np.bincount(bin_ids, weights=problem.costs[flat], minlength=num_bins)
+    order = np.lexsort((np.arange(num_bins), -bin_costs)).tolist()
+    costs: list[float] = bin_costs.tolist()
     per_rank = problem.bins_per_rank
     heap = [(0.0, r) for r in range(problem.num_ranks)]
-    held: list[list[list[int]]] = [[] for _ in range(problem.num_ranks)]
+    held: list[list[int]] = [[] for _ in range(problem.num_ranks)]
     for b in order:
         load, r = heapq.heappop(heap)
-        held[r].append(bins[b])
+        held[r].append(b)
         if len(held[r]) < per_rank:
-            heapq.heappush(heap, (load + float(bin_costs[b]), r))
-    return [list(b) for rank_bins in held for b in rank_bins]
+            heapq.heappush(heap, (load + costs[b], r))
+    dealt = [b for rank_bins in held for b in rank_bins]  # new position -> source bin
+    position = np.empty(num_bins, dtype=np.int64)
+    position[dealt] = np.arange(num_bins, dtype=np.int64)
+    # Samples keep their order within a bin; bins move as wholes.
+    moved = np.argsort(position[bin_ids], kind="stable")
+    return _Layout([list(bins[b]) for b in dealt], flat[moved], sizes[dealt])
 
 
 def _budgets_hold(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> bool:
@@ -172,7 +199,7 @@ def _budgets_hold(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> boo
 class _Search:
     """Mutable layout state plus the improvement families (see the module docstring)."""
 
-    def __init__(self, problem: BalanceProblem, bins: list[list[int]]) -> None:
+    def __init__(self, problem: BalanceProblem, start: _Layout) -> None:
         self.p = problem
         self.per_rank = problem.bins_per_rank
         self.seq_len = problem.constraints.seq_len
@@ -181,12 +208,10 @@ class _Search:
         self.bud = problem.budget_costs
         self.limits = np.array(list(problem.constraints.budgets.values()), dtype=np.float64)
         self.has_budgets = self.limits.size > 0
-        self.members = [list(b) for b in bins]
-        nb = len(bins)
-        sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=nb)
-        flat = np.fromiter(
-            itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum())
-        )
+        self.members = [list(b) for b in start.bins]
+        nb = len(start.bins)
+        flat = start.flat
+        sizes = start.sizes.copy()
         bin_ids = np.repeat(np.arange(nb, dtype=np.int64), sizes)
         self.bin_of = np.empty(problem.num_samples, dtype=np.int64)
         self.bin_of[flat] = bin_ids
@@ -199,6 +224,13 @@ class _Search:
         self.load = self.bin_cost.reshape(problem.num_ranks, self.per_rank).sum(axis=1)
         self.sumsq_mode = problem.objective is balance
         self.slots = np.arange(self.per_rank, dtype=np.int64)
+        # Sample arrays of ranks whose bins did not change since they were built.
+        self._rank_cache: dict[int, np.ndarray] = {}
+
+    def rank_of(self) -> np.ndarray:
+        """Destination rank of every sample in the current layout."""
+        ranks: np.ndarray = self.bin_of // self.per_rank
+        return ranks
 
     # ------------------------------------------------------------------ driver
 
@@ -253,13 +285,21 @@ class _Search:
         return -1
 
     def _rank_samples(self, r: int) -> np.ndarray:
+        """Rank ``r``'s samples in bin order (read-only; cached until the rank changes)."""
+        cached = self._rank_cache.get(r)
+        if cached is not None:
+            return cached
         per = self.per_rank
         members = self.members
         if per == 1:
-            return np.array(members[r], dtype=np.int64)
-        return np.array(
-            [i for b in range(r * per, (r + 1) * per) for i in members[b]], dtype=np.int64
-        )
+            out = np.array(members[r], dtype=np.int64)
+        else:
+            out = np.array(
+                [i for b in range(r * per, (r + 1) * per) for i in members[b]], dtype=np.int64
+            )
+        out.setflags(write=False)
+        self._rank_cache[r] = out
+        return out
 
     def _budget_ok(self, new_sums: np.ndarray) -> np.ndarray:
         """Rows of ``new_sums`` (last axis = budgets) within every budget."""
@@ -326,14 +366,22 @@ class _Search:
         """
         per = self.per_rank
         top = float(self.load[int(self.bin_of[hi[0]]) // per])
+        rooms = (self.seq_len - self.bin_tok[(targets[:, None] * per + self.slots)]).astype(
+            np.int64
+        )
+        # A shift frees at most the room of the sample's own bin plus that of the bin it
+        # goes to, so no move is possible unless some heavy sample fits the two largest
+        # rooms of some target rank that it may go to: a cheap exact test for the usual miss.
+        two_rooms = np.partition(rooms, per - 2, axis=1)[:, per - 2 :].sum(axis=1)
+        tload = self.load[targets]
+        possible = (th[:, None] <= two_rooms) & (ch[:, None] < (top - tload) - tol)
+        if not possible.any():
+            return None, np.inf
         light = np.concatenate([self._rank_samples(int(r)) for r in targets])
         yk = self.bin_of[light]
         # Position of each sample's rank in ``targets`` (searchsorted on a sorted copy).
         order = np.argsort(targets, kind="stable")
         slot = order[np.searchsorted(targets[order], yk // per)]
-        rooms = (self.seq_len - self.bin_tok[(targets[:, None] * per + self.slots)]).astype(
-            np.int64
-        )
         first = np.argmax(rooms, axis=1)
         masked = rooms.copy()
         masked[np.arange(targets.size), first] = np.iinfo(np.int64).min
@@ -352,7 +400,6 @@ class _Search:
         best_k = np.full(targets.size, -1, dtype=np.int64)
         best_k[slot[firsts]] = firsts
         best_freed = np.where(best_k >= 0, freed[np.maximum(best_k, 0)], -1)
-        tload = self.load[targets]
         ok = (th[:, None] <= best_freed) & (ch[:, None] < (top - tload) - tol)
         if not ok.any():
             return None, np.inf
@@ -399,9 +446,8 @@ class _Search:
             query = np.arange(targets.size) * span + np.maximum(ch[:, None] - half_gap, 0.0)
             pos = np.searchsorted(key, query)
             window = np.arange(-_SWAP_NEIGHBOURS, _SWAP_NEIGHBOURS)
-            cand = np.clip(
-                pos[:, :, None] + window,
-                begin[None, :, None],
+            cand = np.minimum(
+                np.maximum(pos[:, :, None] + window, begin[None, :, None]),
                 (begin + sizes - 1)[None, :, None],
             ).reshape(heavy.size, -1)
         cj = cl[cand]
@@ -529,6 +575,9 @@ class _Search:
     # ------------------------------------------------------------------ updates
 
     def _relocate(self, i: int, src: int, dst: int) -> None:
+        per = self.per_rank
+        self._rank_cache.pop(src // per, None)
+        self._rank_cache.pop(dst // per, None)
         self.members[src].remove(i)
         self.members[dst].append(i)
         self.bin_of[i] = dst
@@ -540,7 +589,6 @@ class _Search:
         self.bin_cnt[dst] += 1
         self.bin_cost[src] -= c
         self.bin_cost[dst] += c
-        per = self.per_rank
         self.load[src // per] -= c
         self.load[dst // per] += c
 
@@ -579,6 +627,8 @@ class _Search:
 
     def _apply_bin_swap(self, x: int, y: int) -> int:
         per = self.per_rank
+        self._rank_cache.pop(x // per, None)
+        self._rank_cache.pop(y // per, None)
         members = self.members
         members[x], members[y] = members[y], members[x]
         for b in (x, y):

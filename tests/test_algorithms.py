@@ -405,3 +405,19 @@ def test_lpt_sentinels_report_a_dead_end_when_every_rank_is_full() -> None:
     problem = make_problem([[5, 5], [6, 4]], num_ranks=2, seq_len=10, costs=[10, 10, 1, 1])
     assert lpt_assign(problem) is None
     assert reference_lpt(problem) is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lpt_matches_the_reference_with_many_tied_loads(seed: int) -> None:
+    # Few distinct costs over many ranks: loads collide all the time, ranks fill up and
+    # are parked and released, which drives every branch of the float-heap placement.
+    rng = np.random.default_rng(seed)
+    num_ranks, per = int(rng.integers(6, 14)), int(rng.integers(1, 4))
+    seq_len = 24
+    bins = [[int(t) for t in rng.integers(1, 7, size=3)] for _ in range(num_ranks * per)]
+    tokens = [t for b in bins for t in b]
+    costs = [float(t // 2) for t in tokens]  # equal costs for different lengths too
+    problem = make_problem(bins, num_ranks=num_ranks, seq_len=seq_len, costs=costs)
+    expected = reference_lpt(problem)
+    assert lpt_assign(problem) == expected
+    assert expected is not None

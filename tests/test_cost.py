@@ -360,3 +360,19 @@ def test_evaluation_never_mutates_metadata() -> None:
     evaluate_components(models[-1], [meta])
     assert meta.features == {"media": 3, "P": 4, "D": 0, "runs": [1, 2]}
     assert meta.features is features
+
+
+@pytest.mark.parametrize("model", [TokenCost(), QuadraticCost(linear=3.0, quadratic=0.5)])
+def test_evaluate_costs_from_a_tokens_array_equals_reading_the_metadata(model: Any) -> None:
+    metas = _metas(1, 7, 300, 2)
+    tokens = np.array([m.tokens for m in metas], dtype=np.int64)
+    expected = evaluate_costs(model, metas)
+    given = evaluate_costs(model, metas, tokens=tokens)
+    assert given.tolist() == expected.tolist() == [model(m) for m in metas]
+
+
+def test_evaluate_costs_rejects_a_tokens_array_of_the_wrong_shape() -> None:
+    with pytest.raises(ConfigError, match="tokens must be an integer vector"):
+        evaluate_costs(TokenCost(), _metas(1, 2), tokens=np.array([1], dtype=np.int64))
+    with pytest.raises(ConfigError, match="dtype float64"):
+        evaluate_costs(TokenCost(), _metas(1, 2), tokens=np.array([1.0, 2.0]))

@@ -436,3 +436,42 @@ def test_minted_keys_equal_validated_keys() -> None:
     assert _mint_keys(0, 0, 0) == []
     with pytest.raises(ConfigError, match="non-negative"):
         SampleKey(-1, 0, 0)  # the public constructor still validates
+
+
+def test_plan_restores_the_garbage_collector_state() -> None:
+    import gc
+
+    samples, bins = step_of([[18], [2]])
+    assert gc.isenabled()
+    planner().plan(samples, bins, step=0)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        planner().plan(samples, bins, step=0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ConfigError):
+        planner().plan([], bins, step=0)
+    assert gc.isenabled()  # also after an error
+
+
+@pytest.mark.parametrize("algorithm", ["lpt", "default"])
+def test_step_stats_from_key_fields_equals_the_explicit_owner_map(algorithm: str) -> None:
+    from evenflow.engine._stats import step_stats
+
+    samples, bins = step_of([[9, 8, 7], [1, 1], [2, 3], [5]])
+    plan = planner(num_ranks=4, algorithm=algorithm).plan(samples, bins, step=0)
+    owner = {key: key.source_rank for key, _ in samples}
+    explicit = step_stats(plan, owner, (10, 11, 12, 13))
+    implied = step_stats(plan, None, (10, 11, 12, 13))
+    assert explicit == implied
+    assert sum(explicit.sent) == sum(explicit.received) == plan.num_moved > 0
+    # Every sample is counted once: a rank sends what it read and no longer trains on.
+    for r in range(4):
+        kept = sum(1 for key in plan.rank_keys(r) if key.source_rank == r)
+        read = sum(1 for key, _ in samples if key.source_rank == r)
+        assert explicit.sent[r] == read - kept
+        assert explicit.received[r] == len(plan.rank_keys(r)) - kept
+    with pytest.raises(ConfigError, match="outside the group"):
+        step_stats(plan, {key: 7 for key, _ in samples}, (10, 11, 12, 13))
