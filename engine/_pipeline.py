@@ -559,9 +559,10 @@ class Pipeline:
         await self._sequencer.fail(_Aborted("planning failed on this rank"))
 
     def _plan_sync(self, step: int, messages: list[dict[str, Any]]) -> tuple[Plan, Any]:
-        samples, bins, owner = peer_samples(messages, step, self._budget_names)
+        samples, bins, _ = peer_samples(messages, step, self._budget_names)
         plan = self._planner.plan(samples, bins, step)
-        return plan, step_stats(plan, owner, self._global_ranks)
+        # Keys minted from the messages carry the group rank that read them.
+        return plan, step_stats(plan, None, self._global_ranks)
 
     async def _broadcast_plan(self, state: StepState, messages: Any) -> None:
         payload: dict[str, Any] | None = None
@@ -780,5 +781,4 @@ def _plan_from_wire(
         num_moved=int(data["num_moved"]),
         digest=digest,
     )
-    _, _, owner = peer_samples(messages, step, budget_names)
-    return plan, step_stats(plan, owner, global_ranks)
+    return plan, step_stats(plan, None, global_ranks)
