@@ -19,7 +19,9 @@ never dead-ends and is never worse than either of them:
    two whole bins, swapping two samples, and exchanging one sample for a run of samples of
    another bin with a compatible token total (what still works when every bin is full and
    costs are convex in length: one long sample for several short ones of the same length is
-   a cost reduction at equal tokens). Every candidate is checked against ``seq_len``, the
+   a cost reduction at equal tokens); last, a move made possible by first shifting one of
+   the partner's samples to another of its bins (costly, and it rarely succeeds, so it waits
+   until the others fail). Every candidate is checked against ``seq_len``, the
    packing budgets, the oversized rule (an oversized sample stays alone) and non-empty bins.
 3. **Final choice**: the best of the searched layout, the source and LPT under the problem's
    own objective (``problem.score``), so the result is never worse than either even when the
@@ -75,6 +77,9 @@ _MIN_BUDGET = 6
 _MAX_BUDGET = 96
 # Heavy-side samples considered by the one-for-many exchange (most expensive first).
 _EXCHANGE_CANDIDATES = 8
+# Room of a bin holding a single sample: anything may join it when that sample leaves, since
+# a sample alone in its bin may be oversized.
+_UNBOUNDED = np.iinfo(np.int64).max
 
 
 class RefineAlgorithm:
@@ -87,7 +92,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v1"
+    algorithm_id = "refine-v2"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -226,6 +231,8 @@ class _Search:
         self.slots = np.arange(self.per_rank, dtype=np.int64)
         # Sample arrays of ranks whose bins did not change since they were built.
         self._rank_cache: dict[int, np.ndarray] = {}
+        # The same samples by ascending (cost, index), for the swap windows.
+        self._sorted_cache: dict[int, np.ndarray] = {}
 
     def rank_of(self) -> np.ndarray:
         """Destination rank of every sample in the current layout."""
@@ -273,7 +280,7 @@ class _Search:
         order = pool[np.lexsort((pool, load[pool]))]
         heavy = self._rank_samples(a)
         near = order[:_NEAR_TARGETS]
-        for family in (self._cheap, self._swap, self._exchange):
+        for family in (self._move, self._swap, self._exchange, self._cheap):
             found = family(a, heavy, near, tol)
             if found is not None:
                 return found()
@@ -301,6 +308,17 @@ class _Search:
         self._rank_cache[r] = out
         return out
 
+    def _sorted_samples(self, r: int) -> np.ndarray:
+        """Rank ``r``'s samples by ascending (cost, index) (read-only; cached likewise)."""
+        cached = self._sorted_cache.get(r)
+        if cached is not None:
+            return cached
+        samples = self._rank_samples(r)
+        out = samples[np.lexsort((samples, self.cost[samples]))]
+        out.setflags(write=False)
+        self._sorted_cache[r] = out
+        return out
+
     def _budget_ok(self, new_sums: np.ndarray) -> np.ndarray:
         """Rows of ``new_sums`` (last axis = budgets) within every budget."""
         fits: np.ndarray = np.all(new_sums <= self.limits, axis=-1)
@@ -312,8 +330,18 @@ class _Search:
     # scores max(load[a] - d, load[b] + d), the larger of the two new loads; the smallest
     # score wins, ties to the first candidate in index order.
 
-    def _cheap(self, a: int, heavy: np.ndarray, targets: np.ndarray, tol: float) -> _Apply | None:
-        """Move one sample to a bin with room (making room first if needed), or swap bins."""
+    def _move(self, a: int, heavy: np.ndarray, targets: np.ndarray, tol: float) -> _Apply | None:
+        """Move one sample to a bin with room, or swap bins (no intra-rank shifts)."""
+        return self._cheap(a, heavy, targets, tol, shift=False)
+
+    def _cheap(
+        self, a: int, heavy: np.ndarray, targets: np.ndarray, tol: float, *, shift: bool = True
+    ) -> _Apply | None:
+        """Move one sample to a bin with room (making room first if needed), or swap bins.
+
+        The shift that makes room (:meth:`_move_with_room`) is costly and rarely succeeds on
+        its first try, so the search tries it only after the other families (``shift``).
+        """
         per = self.per_rank
         top = float(self.load[a])
         ybins = (targets[:, None] * per + self.slots).ravel()
@@ -340,7 +368,7 @@ class _Search:
                 i = int(hi[flat // ybins.size])
                 y = int(ybins[flat % ybins.size])
                 best = _Apply(self._apply_move, i, y)
-            elif per > 1 and not self.has_budgets:
+            elif shift and per > 1 and not self.has_budgets:
                 best, best_score = self._move_with_room(hi, ch, th, targets=targets, tol=tol)
 
         xbins = a * per + self.slots
@@ -435,10 +463,11 @@ class _Search:
         if heavy.size * light.size <= _FULL_SWAP_PAIRS:
             cand = np.broadcast_to(np.arange(light.size), (heavy.size, light.size))
         else:
+            # The partners by (target, cost, index); per-rank orders are cached.
             sizes = np.array([part.size for part in parts], dtype=np.int64)
             slot = np.repeat(np.arange(targets.size), sizes)
-            order = np.lexsort((light, cl, slot))
-            light, cl, slot = light[order], cl[order], slot[order]
+            light = np.concatenate([self._sorted_samples(int(r)) for r in targets])
+            cl = self.cost[light]
             span = 2.0 * float(max(cl.max(), ch.max())) + 1.0
             key = slot * span + cl
             begin = np.cumsum(sizes) - sizes
@@ -450,29 +479,33 @@ class _Search:
                 np.maximum(pos[:, :, None] + window, begin[None, :, None]),
                 (begin + sizes - 1)[None, :, None],
             ).reshape(heavy.size, -1)
-        cj = cl[cand]
-        yl = self.bin_of[light][cand]
-        lload = self.load[yl // per]
-        delta = ch[:, None] - cj
-        ok = (delta > tol) & (delta < (top - lload) - tol)
+        seq_len = self.seq_len
+        # Per-sample terms are computed once over the partner samples (and the heavy ones),
+        # then gathered through ``cand``: the pair matrix only sees gathers and comparisons.
+        # A sample alone in its bin may leave it whatever the other sample's tokens (an
+        # oversized sample alone is allowed), so such bins get unbounded room.
+        yl_l = self.bin_of[light]
+        lload_l = self.load[yl_l // per]
+        tl_l = self.tok[light]
+        single_y = self.bin_cnt[yl_l] == 1
+        room_y = np.where(single_y, _UNBOUNDED, seq_len - self.bin_tok[yl_l] + tl_l)
+        lload = lload_l[cand]
+        delta = ch[:, None] - cl[cand]
+        ok = (delta > tol) & (delta < ((top - lload_l) - tol)[cand])
         if not ok.any():
             return None
         xh = self.bin_of[heavy]
         th = self.tok[heavy]
-        tl = self.tok[light][cand]
-        seq_len = self.seq_len
-        room_x = seq_len - self.bin_tok[xh] + th  # tokens bin x can take after losing i
-        room_y = seq_len - self.bin_tok[yl] + tl
-        ok &= (tl <= room_x[:, None]) | (self.bin_cnt[xh] == 1)[:, None]
-        ok &= (th[:, None] <= room_y) | (self.bin_cnt[yl] == 1)
+        single_x = self.bin_cnt[xh] == 1
+        room_x = np.where(single_x, _UNBOUNDED, seq_len - self.bin_tok[xh] + th)
+        ok &= tl_l[cand] <= room_x[:, None]
+        ok &= th[:, None] <= room_y[cand]
         if self.has_budgets and ok.any():
+            yl = yl_l[cand]
             bh = self.bud[heavy]
             bl = self.bud[light][cand]
-            ok &= (
-                self._budget_ok((self.bin_bud[xh] - bh)[:, None, :] + bl)
-                | (self.bin_cnt[xh] == 1)[:, None]
-            )
-            ok &= self._budget_ok(self.bin_bud[yl] - bl + bh[:, None, :]) | (self.bin_cnt[yl] == 1)
+            ok &= self._budget_ok((self.bin_bud[xh] - bh)[:, None, :] + bl) | single_x[:, None]
+            ok &= self._budget_ok(self.bin_bud[yl] - bl + bh[:, None, :]) | single_y[cand]
         if not ok.any():
             return None
         score = np.maximum(top - delta, lload + delta)
@@ -576,8 +609,9 @@ class _Search:
 
     def _relocate(self, i: int, src: int, dst: int) -> None:
         per = self.per_rank
-        self._rank_cache.pop(src // per, None)
-        self._rank_cache.pop(dst // per, None)
+        for cache in (self._rank_cache, self._sorted_cache):
+            cache.pop(src // per, None)
+            cache.pop(dst // per, None)
         self.members[src].remove(i)
         self.members[dst].append(i)
         self.bin_of[i] = dst
@@ -627,8 +661,9 @@ class _Search:
 
     def _apply_bin_swap(self, x: int, y: int) -> int:
         per = self.per_rank
-        self._rank_cache.pop(x // per, None)
-        self._rank_cache.pop(y // per, None)
+        for cache in (self._rank_cache, self._sorted_cache):
+            cache.pop(x // per, None)
+            cache.pop(y // per, None)
         members = self.members
         members[x], members[y] = members[y], members[x]
         for b in (x, y):

@@ -13,12 +13,14 @@ from evenflow.engine._algorithms import (
     BalanceProblem,
     LPTAlgorithm,
     RefineAlgorithm,
+    _flatten,
     first_infeasible_bin,
     lpt_assign,
     resolve_algorithm,
 )
 from evenflow.engine._model import PackingConstraints, SampleKey
 from evenflow.engine._objectives import balance, makespan, objective_name, resolve_objective
+from evenflow.engine._refine import _Layout, _Search
 from evenflow.engine.errors import ConfigError
 
 # ---------------------------------------------------------------------------- helpers
@@ -421,3 +423,46 @@ def test_lpt_matches_the_reference_with_many_tied_loads(seed: int) -> None:
     expected = reference_lpt(problem)
     assert lpt_assign(problem) == expected
     assert expected is not None
+
+
+def _search_from_source(problem: BalanceProblem) -> _Search:
+    source = [list(b) for b in problem.source_bins]
+    return _Search(problem, _Layout(source, *_flatten(source)))
+
+
+def test_refine_shifts_within_a_rank_when_nothing_else_improves() -> None:
+    # Rank 0 (load 71) can only give the cost-1 sample of 5 tokens; rank 1 (load 68) has 5
+    # tokens of room only once a 1-token sample moves from its first bin to its second.
+    # Moves, swaps and exchanges all fail, so the search must reach the shift.
+    problem = make_problem(
+        [[5, 1, 4], [1, 5, 2], [1, 4, 1], [3, 3, 3]],
+        num_ranks=2,
+        seq_len=10,
+        costs=[13, 12, 13, 14, 1, 18, 19, 19, 6, 5, 10, 9],
+    )
+    search = _search_from_source(problem)
+    layout = search.run(1)
+    assert_valid_layout(problem, layout)
+    assert problem.rank_costs(layout).tolist() == [70.0, 69.0]
+    assert 4 in layout[2]  # the moved sample took the room the shift made
+
+
+def test_refine_search_caches_follow_every_change() -> None:
+    # Ranks of ~70 samples make the swap family use its cost-sorted windows; after many
+    # changes the cached per-rank arrays must still describe the current layout.
+    # One full bin per rank (no room for moves, no bin swaps), few distinct lengths and
+    # costs unrelated to length: swaps of equal-length samples do the work.
+    rng = np.random.default_rng(5)
+    bins = [[int(t) for t in rng.integers(1, 4, size=70)] for _ in range(8)]
+    costs = [float(c) for c in rng.integers(1, 100, size=8 * 70)]
+    problem = make_problem(bins, num_ranks=8, seq_len=max(sum(b) for b in bins), costs=costs)
+    search = _search_from_source(problem)
+    layout = search.run(40)
+    assert_valid_layout(problem, layout)
+    assert problem.score(layout) < problem.score(problem.source_bins)
+    assert search._sorted_cache  # the windows were used, so stale entries would show
+    for r in range(problem.num_ranks):
+        members = layout[r]
+        assert search._rank_samples(r).tolist() == members
+        expected = sorted(members, key=lambda i: (float(problem.costs[i]), i))
+        assert search._sorted_samples(r).tolist() == expected
