@@ -61,8 +61,10 @@ __all__ = ["RefineAlgorithm"]
 # tried once before declaring the rank stuck.
 _NEAR_TARGETS = 4
 _WIDE_TARGETS = 32
-# Problems up to this many samples are searched from every start.
-_MULTI_START_SAMPLES = 256
+# Problems up to this many samples are searched from every start, to convergence. Beyond
+# it an attempt costs ~0.5 ms, so a converged search would dominate a step (a 4-rank step
+# of ~160 samples took ~80 ms): the budget below applies.
+_MULTI_START_SAMPLES = 48
 # Swaps: pair matrices up to this size are searched in full; beyond it, each heavy sample
 # meets the partner samples nearest in cost to the ideal, this many on each side.
 _FULL_SWAP_PAIRS = 4096
@@ -92,7 +94,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v2"
+    algorithm_id = "refine-v3"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -164,7 +166,7 @@ def _default_budget(problem: BalanceProblem) -> int:
     keeps plans a pure function of the step: every rank must stop at the same attempt.
     """
     if problem.num_samples <= _MULTI_START_SAMPLES:
-        return 256  # tiny problems: iterations cost microseconds, search to convergence
+        return 256  # tiny problems: search to convergence
     attempts = problem.num_samples // _SAMPLES_PER_ATTEMPT
     return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
 

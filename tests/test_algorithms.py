@@ -396,7 +396,8 @@ def test_refine_budget_grows_with_the_step_within_its_bounds() -> None:
         per_bin = num_samples // 8
         return make_problem([[1] * per_bin for _ in range(8)], num_ranks=4, seq_len=10**6)
 
-    assert _default_budget(sized(200)) == 256  # tiny: searched to convergence
+    assert _default_budget(sized(40)) == 256  # tiny: searched to convergence
+    assert _default_budget(sized(200)) == 6  # a 4-rank step: bounded like any other
     small, mid, large = (_default_budget(sized(n)) for n in (800, 4000, 16_000))
     assert 6 <= small < mid < large == 96
 
