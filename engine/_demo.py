@@ -415,8 +415,8 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--bins-per-rank",
         type=int,
-        default=2,
-        help="packed sequences (microbatches) per rank per step (default 2)",
+        default=4,
+        help="packed sequences (microbatches) per rank per step (default 4)",
     )
     parser.add_argument(
         "--algorithm",
