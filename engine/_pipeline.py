@@ -26,7 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import numpy as np
@@ -187,10 +187,10 @@ class Pipeline:
                 state = await asyncio.shield(self._recv_task)
             except (anyio.EndOfStream, anyio.ClosedResourceError):
                 self._recv_task = None
-                return await self._end_of_stream()
+                await self._end_of_stream()
             except asyncio.CancelledError:
                 current = asyncio.current_task()
-                if self._closed and (current is None or current.cancelling() == 0):
+                if self.closed and (current is None or current.cancelling() == 0):
                     raise LoaderStateError(
                         "The loader was closed while this call waited for a step."
                     ) from None
@@ -214,7 +214,12 @@ class Pipeline:
             raise
         return state
 
-    async def _end_of_stream(self) -> None:
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`aclose` was called (it may happen while a caller waits)."""
+        return self._closed
+
+    async def _end_of_stream(self) -> NoReturn:
         """The output channel ended without a final round: report why."""
         if self._task is not None and not self._task.done() and not self._closed:
             await asyncio.wait([self._task])
