@@ -42,6 +42,7 @@ from evenflow.transports._gloo import (
     _check_max_frame_bytes,
     _check_timeout,
     _destroy_group,
+    _membership,
     _open_group,
     _Protocol,
     normalize_outgoing,
@@ -126,22 +127,10 @@ class DeviceTransport(Transport):
         group, created = _open_group(
             process_group, ranks, seconds, _backend_for(self._device), "DeviceTransport"
         )
-        global_ranks = tuple(dist.get_process_group_ranks(group))
-        super().__init__(
-            rank=dist.get_rank(group),
-            num_ranks=dist.get_world_size(group),
-            global_ranks=global_ranks,
-            timeout=seconds,
-        )
+        super().__init__(**_membership(group), timeout=seconds)
         self._group = group
         self._owns_group = created
-        self._proto = _Protocol(
-            rank=self.rank,
-            num_ranks=self.num_ranks,
-            global_ranks=global_ranks,
-            name=self.name,
-            limit=limit,
-        )
+        self._proto = _Protocol.of(self, limit)
         self._broken: TransportError | None = None
         self._accel = self._device.type != "cpu"
         # Accelerator handles exist only on an accelerator: a CPU build never touches them.

@@ -103,6 +103,15 @@ def _check_max_frame_bytes(value: object) -> int:
     return value
 
 
+def _membership(group: dist.ProcessGroup) -> dict[str, Any]:
+    """``rank``, ``num_ranks`` and ``global_ranks`` of this process in ``group``."""
+    return {
+        "rank": dist.get_rank(group),
+        "num_ranks": dist.get_world_size(group),
+        "global_ranks": tuple(dist.get_process_group_ranks(group)),
+    }
+
+
 def _open_group(
     process_group: dist.ProcessGroup | None,
     ranks: Sequence[int] | None,
@@ -173,6 +182,17 @@ class _Protocol:
         self.global_ranks = global_ranks
         self.name = name
         self.limit = limit
+
+    @classmethod
+    def of(cls, transport: Transport, limit: int) -> _Protocol:
+        """The protocol state of ``transport``'s membership."""
+        return cls(
+            rank=transport.rank,
+            num_ranks=transport.num_ranks,
+            global_ranks=transport.global_ranks,
+            name=transport.name,
+            limit=limit,
+        )
 
     @property
     def where(self) -> str:
@@ -412,22 +432,10 @@ class GlooTransport(Transport):
                 f"GlooTransport needs a Gloo process group, but the given group uses "
                 f"{backend!r}; create one with dist.new_group(ranks, backend='gloo')."
             )
-        global_ranks = tuple(dist.get_process_group_ranks(group))
-        super().__init__(
-            rank=dist.get_rank(group),
-            num_ranks=dist.get_world_size(group),
-            global_ranks=global_ranks,
-            timeout=seconds,
-        )
+        super().__init__(**_membership(group), timeout=seconds)
         self._group = group
         self._owns_group = created
-        self._proto = _Protocol(
-            rank=self.rank,
-            num_ranks=self.num_ranks,
-            global_ranks=global_ranks,
-            name=self.name,
-            limit=limit,
-        )
+        self._proto = _Protocol.of(self, limit)
         self._broken: TransportError | None = None
         # Reused across operations; both are touched only on the collective thread, and an
         # operation's collectives have completed before the next operation starts there.
