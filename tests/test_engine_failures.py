@@ -1,8 +1,8 @@
 """Adversarial tests of the engine: hangs, lost steps, ordering and lifecycle under failure.
 
-Each ``xfail(strict=True)`` test pins a confirmed defect and turns into a plain failure (XPASS)
-once the defect is fixed, so the marker has to go with the fix. The other tests cover
-behaviour that held up under the same attacks and that the other test files do not reach.
+Each test attacks one failure mode (a dead peer, a cancelled fetch, a blocked source, an
+unencodable payload, set_epoch mid-pass, ...) that once broke the engine, or that held up and
+that the other test files do not reach.
 
 Every test has a deadline (``asyncio.wait_for`` or thread joins with timeouts) and releases
 whatever it blocked (gates, loaders) before it returns, so a hang fails the test instead of
