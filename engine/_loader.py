@@ -7,6 +7,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
@@ -25,7 +26,7 @@ __all__ = ["BalancedLoader"]
 logger = logging.getLogger("evenflow")
 
 STATE_FORMAT = "evenflow.loader"
-_RUNTIME_ONLY = ("prefetch_depth", "timeout", "log_stats")
+_RUNTIME_ONLY = ("prefetch_depth", "timeout", "log_stats", "switch_interval")
 STATE_VERSION = 1
 LIBRARY_VERSION = "0.1.0"
 
@@ -494,6 +495,9 @@ class BalancedLoader:
         return self._delivered
 
     async def _start_pass(self) -> None:
+        interval = self._config.switch_interval
+        if interval is not None and sys.getswitchinterval() > interval:
+            sys.setswitchinterval(interval)
         loop = asyncio.get_running_loop()
         if self._launcher is not None:
             self._launcher.bind(loop)

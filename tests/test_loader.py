@@ -442,3 +442,31 @@ async def test_tracing_records_every_stage_as_valid_chrome_json(tmp_path: Any) -
         assert {e["pid"] for e in spans} == {r}
         assert {"read", "gather", "plan", "exchange", "pack"} <= {e["name"] for e in spans}
         assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_the_loader_lowers_the_gil_switch_interval_but_never_raises_it() -> None:
+    import sys
+
+    from evenflow.engine.errors import ConfigError
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        (loader,) = make_loaders(1, max_steps=1)
+        with loader:
+            assert len(list(loader)) == 1
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+        sys.setswitchinterval(0.0001)
+        (loader,) = make_loaders(1, max_steps=1)
+        with loader:
+            list(loader)
+        assert sys.getswitchinterval() == pytest.approx(0.0001)
+        sys.setswitchinterval(0.005)
+        (loader,) = make_loaders(1, max_steps=1, switch_interval=None)
+        with loader:
+            list(loader)
+        assert sys.getswitchinterval() == pytest.approx(0.005)
+    finally:
+        sys.setswitchinterval(before)
+    with pytest.raises(ConfigError, match=r"LoaderConfig\.switch_interval"):
+        LoaderConfig(seq_len=8, bins_per_rank=1, switch_interval=0.0)
