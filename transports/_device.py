@@ -41,7 +41,7 @@ from evenflow.transports._gloo import (
     _FAILED,
     _check_max_frame_bytes,
     _check_timeout,
-    _destroy_group,
+    _close_owned,
     _membership,
     _open_group,
     _Protocol,
@@ -224,15 +224,8 @@ class DeviceTransport(Transport):
 
     async def aclose(self) -> None:
         """Join the waiter thread and destroy the group this transport created."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self._waiter.shutdown, wait=True)
-        )
-        if self._owns_group and self._broken is None:
-            _destroy_group(self._group)
+        if not self._closed:
+            await _close_owned(self, self._waiter)
 
     # -- the two launches of one operation ------------------------------------------------------
 

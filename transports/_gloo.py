@@ -103,6 +103,19 @@ def _check_max_frame_bytes(value: object) -> int:
     return value
 
 
+async def _close_owned(transport: Any, executor: ThreadPoolExecutor) -> None:
+    """Shared ``aclose`` of the Gloo and device transports: mark closed, join the one thread
+    that drives (or waits on) the group, and destroy the group if the transport created it
+    and it is still healthy."""
+    transport._closed = True
+    transport._finalizer.detach()
+    await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(executor.shutdown, wait=True)
+    )
+    if transport._owns_group and transport._broken is None:
+        _destroy_group(transport._group)
+
+
 def _membership(group: dist.ProcessGroup) -> dict[str, Any]:
     """``rank``, ``num_ranks`` and ``global_ranks`` of this process in ``group``."""
     return {
@@ -471,16 +484,9 @@ class GlooTransport(Transport):
 
     async def aclose(self) -> None:
         """Join the collective thread and destroy the group this transport created."""
-        if self._closed:
-            return
-        self._closed = True
-        self._finalizer.detach()
-        # Joining waits for an operation still in flight (at most the group timeout).
-        await asyncio.get_running_loop().run_in_executor(
-            None, functools.partial(self._executor.shutdown, wait=True)
-        )
-        if self._owns_group and self._broken is None:
-            _destroy_group(self._group)
+        if not self._closed:
+            # Joining waits for an operation still in flight (at most the group timeout).
+            await _close_owned(self, self._executor)
         self._send_buffer = None
         self._receive_pool.clear()
 
