@@ -11,11 +11,13 @@ per-sample Python is unpacking the input and building the result.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import math
 import operator
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -39,6 +41,34 @@ _TOKENS = operator.attrgetter("tokens")
 _FIRST = operator.itemgetter(0)
 _SECOND = operator.itemgetter(1)
 _INT64_MAX = 2**63 - 1
+
+
+_pause_lock = threading.Lock()
+_pause_depth = 0
+_pause_restores = False
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while any plan runs in this process.
+
+    ``gc.disable()`` is process-wide: two plans on two threads that each saved and restored the
+    flag could interleave and leave the collector disabled for good. A counted pause re-enables
+    it when the last overlapping plan ends, and only if it was enabled when the first began.
+    """
+    global _pause_depth, _pause_restores
+    with _pause_lock:
+        if _pause_depth == 0:
+            _pause_restores = gc.isenabled()
+            gc.disable()
+        _pause_depth += 1
+    try:
+        yield
+    finally:
+        with _pause_lock:
+            _pause_depth -= 1
+            if _pause_depth == 0 and _pause_restores:
+                gc.enable()
 
 
 class Planner:
@@ -146,15 +176,10 @@ class Planner:
         # A step holds ~5 objects per sample (100,000 samples at 1,024 ranks), so a full
         # collection triggered by the planner's own allocations would walk them all, costing
         # 50-100 ms at a random point of the plan. The planner builds no reference cycles, so
-        # nothing is lost by collecting after it; the switch is process-wide, which means other
-        # threads' allocations do not trigger a collection during the plan either.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
+        # nothing is lost by collecting after it. The switch is process-wide, so overlapping
+        # plans (several loaders, several threads) share one pause: see _collector_paused.
+        with _collector_paused():
             return self._plan(samples, reference_bins, step)
-        finally:
-            if collecting:
-                gc.enable()
 
     def _plan(
         self,

@@ -182,8 +182,12 @@ async def _aclose_all(loaders: Sequence[BalancedLoader]) -> None:
             await loader.aclose()
 
 
-def _evenflow_threads() -> list[str]:
-    return sorted(t.name for t in threading.enumerate() if t.name.startswith("evenflow"))
+def _evenflow_threads(before: set[threading.Thread] | None = None) -> list[str]:
+    """Names of live evenflow threads, leaving out those in ``before`` (earlier tests')."""
+    ignore = before or set()
+    return sorted(
+        t.name for t in threading.enumerate() if t not in ignore and t.name.startswith("evenflow")
+    )
 
 
 # -- confirmed defects --------------------------------------------------------------------------
@@ -687,6 +691,8 @@ async def test_order_and_conservation_under_random_delays(depth: int, planning: 
 async def test_aclose_in_every_phase_and_after_errors_leaks_nothing(
     stop_after: int | None, fail: bool
 ) -> None:
+    before = set(threading.enumerate())
+
     def metadata_fn(sample: dict[str, Any]) -> int:
         if fail and sample["id"][:2] == (0, 2):
             raise ValueError("bad sample")
@@ -711,7 +717,7 @@ async def test_aclose_in_every_phase_and_after_errors_leaks_nothing(
     await asyncio.wait_for(asyncio.gather(*(one(ld) for ld in loaders)), DEADLINE)
     current = asyncio.current_task()
     assert [t for t in asyncio.all_tasks() if t is not current] == []
-    assert _evenflow_threads() == []
+    assert _evenflow_threads(before) == []
 
 
 @pytest.mark.asyncio

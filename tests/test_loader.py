@@ -180,6 +180,7 @@ async def test_balancing_moves_samples_and_lowers_the_makespan() -> None:
 
 
 def test_sync_iteration_conserves_every_sample_with_threads_per_rank() -> None:
+    before = set(threading.enumerate())  # threads of earlier tests are not ours
     loaders = make_loaders(4)
 
     def body(rank: int, loader: BalancedLoader) -> list[Any]:
@@ -188,9 +189,10 @@ def test_sync_iteration_conserves_every_sample_with_threads_per_rank() -> None:
 
     batches = run_threads(loaders, body)
     assert_conserved(batches, 4, 6)
-    assert all(not t.name.startswith("evenflow") for t in threading.enumerate()), [
-        t.name for t in threading.enumerate()
+    leftover = [
+        t.name for t in threading.enumerate() if t not in before and t.name.startswith("evenflow")
     ]
+    assert leftover == []
 
 
 @pytest.mark.asyncio
@@ -344,6 +346,7 @@ def test_set_epoch_and_reiteration_restart_cleanly() -> None:
 
 
 def test_close_in_every_phase_leaks_no_thread() -> None:
+    before = set(threading.enumerate())  # threads of earlier tests are not ours
     for stop_after in (0, 1, 3):
         loaders = make_loaders(2)
 
@@ -358,7 +361,9 @@ def test_close_in_every_phase_leaks_no_thread() -> None:
             return stop_after
 
         run_threads(loaders, body)
-    leftover = [t.name for t in threading.enumerate() if t.name.startswith("evenflow")]
+    leftover = [
+        t.name for t in threading.enumerate() if t not in before and t.name.startswith("evenflow")
+    ]
     assert leftover == []
 
 

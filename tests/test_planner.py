@@ -475,3 +475,18 @@ def test_step_stats_from_key_fields_equals_the_explicit_owner_map(algorithm: str
         assert explicit.received[r] == len(plan.rank_keys(r)) - kept
     with pytest.raises(ConfigError, match="outside the group"):
         step_stats(plan, {key: 7 for key, _ in samples}, (10, 11, 12, 13))
+
+
+def test_overlapping_plans_leave_the_collector_enabled() -> None:
+    import gc
+
+    from evenflow.engine._planner import _collector_paused
+
+    assert gc.isenabled()
+    first, second = _collector_paused(), _collector_paused()
+    first.__enter__()
+    second.__enter__()  # a plan on another thread starts while the first runs
+    first.__exit__(None, None, None)
+    assert not gc.isenabled(), "the second plan still runs"
+    second.__exit__(None, None, None)
+    assert gc.isenabled(), "interleaved plans must not leave the collector disabled"
