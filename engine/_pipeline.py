@@ -543,7 +543,7 @@ class Pipeline:
                     return
         await self._sequencer.turn(state.step, "broadcast")
         if leader:
-            await self._broadcast_plan(state, messages)
+            await self._broadcast_plan(state)
         await self._sequencer.advance(state.step, "broadcast")
 
     async def _abort_after_local_planning_failure(
@@ -569,7 +569,7 @@ class Pipeline:
         # Keys minted from the messages carry the group rank that read them.
         return plan, step_stats(plan, None, self._global_ranks)
 
-    async def _broadcast_plan(self, state: StepState, messages: Any) -> None:
+    async def _broadcast_plan(self, state: StepState) -> None:
         payload: dict[str, Any] | None = None
         if self._rank == 0:
             if state.error is not None:
@@ -594,9 +594,7 @@ class Pipeline:
             self._cpu,
             _plan_from_wire,
             received["plan"],
-            messages,
             state.step,
-            self._budget_names,
             self._global_ranks,
         )
 
@@ -745,13 +743,7 @@ def _plan_to_wire(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _plan_from_wire(
-    data: dict[str, Any],
-    messages: list[dict[str, Any]],
-    step: int,
-    budget_names: tuple[str, ...],
-    global_ranks: tuple[int, ...],
-) -> Any:
+def _plan_from_wire(data: dict[str, Any], step: int, global_ranks: tuple[int, ...]) -> Any:
     """Rebuild the leader's plan (checking its digest) and the step statistics."""
     seq_len = int(data["seq_len"])
     local_batches = []
