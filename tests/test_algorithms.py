@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from evenflow.engine import _algorithms
 from evenflow.engine._algorithms import (
     BalanceProblem,
     LPTAlgorithm,
@@ -247,16 +251,91 @@ def test_first_infeasible_bin_checks_tokens_budgets_and_oversized() -> None:
 # ---------------------------------------------------------------------------- LPT
 
 
-@FAST
-@given(problems())
-def test_lpt_matches_the_reference_rule(problem: BalanceProblem) -> None:
-    assert lpt_assign(problem) == reference_lpt(problem)
+# The greedy's phase 2 runs compiled when the extension was built, else in Python: both
+# must follow the reference rule, so the rule tests run against each.
+CORES = [
+    "python",
+    pytest.param(
+        "compiled",
+        marks=pytest.mark.skipif(
+            _algorithms._native is None, reason="the compiled greedy (_lptcore) is not built"
+        ),
+    ),
+]
 
 
+@contextlib.contextmanager
+def lpt_core(core: str) -> Iterator[None]:
+    saved = _algorithms._use_native
+    _algorithms._use_native = core == "compiled"
+    try:
+        yield
+    finally:
+        _algorithms._use_native = saved
+
+
+@pytest.mark.parametrize("core", CORES)
 @FAST
-@given(problems(full=True, with_budgets=True))
-def test_lpt_matches_the_reference_rule_with_budgets(problem: BalanceProblem) -> None:
-    assert lpt_assign(problem) == reference_lpt(problem)
+@given(problem=problems())
+def test_lpt_matches_the_reference_rule(core: str, problem: BalanceProblem) -> None:
+    with lpt_core(core):
+        assert lpt_assign(problem) == reference_lpt(problem)
+
+
+@pytest.mark.parametrize("core", CORES)
+@FAST
+@given(problem=problems(full=True, with_budgets=True))
+def test_lpt_matches_the_reference_rule_with_budgets(core: str, problem: BalanceProblem) -> None:
+    with lpt_core(core):
+        assert lpt_assign(problem) == reference_lpt(problem)
+
+
+@st.composite
+def tied_problems(draw: st.DrawFn) -> BalanceProblem:
+    """Many ranks, few distinct costs and lengths: loads tie all the time."""
+    num_ranks = draw(st.integers(2, 24))
+    per = draw(st.integers(1, 4))
+    seq_len = draw(st.integers(6, 16))
+    sizes = draw(st.lists(st.integers(1, 3), min_size=num_ranks * per, max_size=num_ranks * per))
+    bins = [[draw(st.integers(1, seq_len // 3)) for _ in range(k)] for k in sizes]
+    n = sum(sizes)
+    costs = draw(st.lists(st.sampled_from([1.0, 2.0, 0.5]), min_size=n, max_size=n))
+    return make_problem(bins, num_ranks=num_ranks, seq_len=seq_len, costs=costs)
+
+
+@pytest.mark.skipif(_algorithms._native is None, reason="the compiled greedy is not built")
+@FAST
+@given(tied_problems())
+def test_compiled_greedy_and_python_agree_on_tied_loads(problem: BalanceProblem) -> None:
+    with lpt_core("python"):
+        expected = lpt_assign(problem)
+    with lpt_core("compiled"):
+        assert lpt_assign(problem) == expected
+    assert expected == reference_lpt(problem)
+
+
+@pytest.mark.skipif(_algorithms._native is None, reason="the compiled greedy is not built")
+def test_compiled_greedy_and_python_agree_on_a_large_step() -> None:
+    rng = np.random.default_rng(7)
+    num_ranks, per, seq_len = 64, 4, 4096
+    bins = [
+        rng.integers(1, 700, size=int(rng.integers(1, 6))).tolist() for _ in range(num_ranks * per)
+    ]
+    problem = make_problem(bins, num_ranks=num_ranks, seq_len=seq_len)
+    with lpt_core("python"):
+        expected = lpt_assign(problem)
+    with lpt_core("compiled"):
+        got = lpt_assign(problem)
+    assert expected is not None
+    assert got == expected
+
+
+def test_compiled_greedy_is_built_where_required() -> None:
+    # CI builds on machines with a C compiler and sets this, so a broken build cannot hide
+    # behind the pure-Python fallback.
+    if os.environ.get("EVENFLOW_REQUIRE_NATIVE") != "1":
+        pytest.skip("EVENFLOW_REQUIRE_NATIVE is not set")
+    assert _algorithms._native is not None, "evenflow.engine._lptcore failed to build or import"
 
 
 def test_lpt_balances_18_2_into_10_10() -> None:
