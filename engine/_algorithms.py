@@ -42,7 +42,7 @@ RankCostFn = Callable[[np.ndarray], np.ndarray]
 
 _native: Any
 try:  # the compiled inner loop of the greedy; optional (see pyproject.toml)
-    from evenflow.engine import _lptcore as _native
+    from evenflow.engine import _native
 except ImportError:  # pragma: no cover - depends on how the package was built
     _native = None
 # Tests switch this off to run the pure-Python specification on the same problems.

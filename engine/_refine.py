@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -94,7 +94,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v3"
+    algorithm_id = "refine-v4"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -171,6 +171,25 @@ def _default_budget(problem: BalanceProblem) -> int:
     return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
 
 
+def _compiled_core() -> Any:
+    """The compiled search (``evenflow.engine._native``) when built and enabled, else None."""
+    from evenflow.engine import _algorithms
+
+    return _algorithms._native if _algorithms._use_native else None
+
+
+def _lightest(load: np.ndarray, reach: int) -> np.ndarray:
+    """The ``reach`` ranks first by (load, rank), in linear time (``reach < load.size``).
+
+    Ties at the boundary go to the lowest ranks, so the set is a function of the loads
+    alone (``argpartition`` may pick any of the tied ranks).
+    """
+    level = np.partition(load, reach - 1)[reach - 1]
+    below = np.flatnonzero(load < level)
+    tied = np.flatnonzero(load == level)[: reach - below.size]
+    return np.concatenate([below, tied])
+
+
 def _deal_bins(problem: BalanceProblem, source: _Layout) -> _Layout:
     """Whole bins dealt heaviest first to the least-loaded rank that still lacks a bin."""
     bins, flat, sizes = source.bins, source.flat, source.sizes
@@ -245,12 +264,15 @@ class _Search:
 
     def run(self, budget: int) -> list[list[int]]:
         num_ranks = self.p.num_ranks
-        stuck = np.zeros(num_ranks, dtype=bool)
-        masked = np.empty(num_ranks, dtype=np.float64)
         # No layout beats the larger of the mean rank load and the costliest sample; within
         # _NEAR_OPTIMAL of it the remaining gain is not worth the planning time.
         bound = max(float(self.load.sum()) / num_ranks, float(self.cost.max(initial=0.0)))
         good_enough = bound * (1.0 + _NEAR_OPTIMAL)
+        core = _compiled_core()
+        if core is not None and not self.has_budgets:
+            return self._run_compiled(core, budget, good_enough)
+        stuck = np.zeros(num_ranks, dtype=bool)
+        masked = np.empty(num_ranks, dtype=np.float64)
         for _ in range(budget):
             top = int(np.argmax(self.load))
             if not self.sumsq_mode and (stuck[top] or self.load[top] <= good_enough):
@@ -267,6 +289,36 @@ class _Search:
                 stuck[a] = stuck[partner] = False
         return self.members
 
+    def _run_compiled(self, core: Any, budget: int, good_enough: float) -> list[list[int]]:
+        """:meth:`run` by the compiled search: same steps, same layout, far fewer cycles."""
+        from evenflow.engine._algorithms import _flatten, _split
+
+        flat, sizes = _flatten(self.members)
+        out_flat = np.empty_like(flat)
+        out_sizes = np.empty_like(sizes)
+        core.refine_search(
+            np.ascontiguousarray(self.cost),
+            np.ascontiguousarray(self.tok),
+            flat,
+            sizes,
+            self.bin_of,
+            self.bin_cnt,
+            self.bin_tok,
+            self.bin_cost,
+            self.load,
+            out_flat,
+            out_sizes,
+            self.per_rank,
+            self.seq_len,
+            budget,
+            good_enough,
+            self.sumsq_mode,
+        )
+        self.members = _split(out_flat, out_sizes)
+        self._rank_cache.clear()
+        self._sorted_cache.clear()
+        return self.members
+
     def _improve(self, a: int) -> int:
         """Apply the best improving change between rank ``a`` and a lighter rank."""
         load = self.load
@@ -274,8 +326,7 @@ class _Search:
         tol = 1e-12 * abs(top) + 1e-300
         count = load.size
         reach = _NEAR_TARGETS + (0 if self.sumsq_mode else _WIDE_TARGETS)
-        # The lightest ``reach`` ranks, found in linear time.
-        pool = np.argpartition(load, reach)[:reach] if count - 1 > reach else np.arange(count)
+        pool = _lightest(load, reach) if count - 1 > reach else np.arange(count)
         pool = pool[load[pool] < top - tol]
         if pool.size == 0:
             return -1

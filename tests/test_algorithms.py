@@ -258,7 +258,7 @@ CORES = [
     pytest.param(
         "compiled",
         marks=pytest.mark.skipif(
-            _algorithms._native is None, reason="the compiled greedy (_lptcore) is not built"
+            _algorithms._native is None, reason="the compiled greedy (_native) is not built"
         ),
     ),
 ]
@@ -335,7 +335,7 @@ def test_compiled_greedy_is_built_where_required() -> None:
     # behind the pure-Python fallback.
     if os.environ.get("EVENFLOW_REQUIRE_NATIVE") != "1":
         pytest.skip("EVENFLOW_REQUIRE_NATIVE is not set")
-    assert _algorithms._native is not None, "evenflow.engine._lptcore failed to build or import"
+    assert _algorithms._native is not None, "evenflow.engine._native failed to build or import"
 
 
 def test_lpt_balances_18_2_into_10_10() -> None:
@@ -510,7 +510,8 @@ def _search_from_source(problem: BalanceProblem) -> _Search:
     return _Search(problem, _Layout(source, *_flatten(source)))
 
 
-def test_refine_shifts_within_a_rank_when_nothing_else_improves() -> None:
+@pytest.mark.parametrize("core", CORES)
+def test_refine_shifts_within_a_rank_when_nothing_else_improves(core: str) -> None:
     # Rank 0 (load 71) can only give the cost-1 sample of 5 tokens; rank 1 (load 68) has 5
     # tokens of room only once a 1-token sample moves from its first bin to its second.
     # Moves, swaps and exchanges all fail, so the search must reach the shift.
@@ -521,7 +522,8 @@ def test_refine_shifts_within_a_rank_when_nothing_else_improves() -> None:
         costs=[13, 12, 13, 14, 1, 18, 19, 19, 6, 5, 10, 9],
     )
     search = _search_from_source(problem)
-    layout = search.run(1)
+    with lpt_core(core):
+        layout = search.run(1)
     assert_valid_layout(problem, layout)
     assert problem.rank_costs(layout).tolist() == [70.0, 69.0]
     assert 4 in layout[2]  # the moved sample took the room the shift made
@@ -537,7 +539,8 @@ def test_refine_search_caches_follow_every_change() -> None:
     costs = [float(c) for c in rng.integers(1, 100, size=8 * 70)]
     problem = make_problem(bins, num_ranks=8, seq_len=max(sum(b) for b in bins), costs=costs)
     search = _search_from_source(problem)
-    layout = search.run(40)
+    with lpt_core("python"):  # the caches belong to the Python search
+        layout = search.run(40)
     assert_valid_layout(problem, layout)
     assert problem.score(layout) < problem.score(problem.source_bins)
     assert search._sorted_cache  # the windows were used, so stale entries would show
@@ -546,3 +549,73 @@ def test_refine_search_caches_follow_every_change() -> None:
         assert search._rank_samples(r).tolist() == members
         expected = sorted(members, key=lambda i: (float(problem.costs[i]), i))
         assert search._sorted_samples(r).tolist() == expected
+
+
+# ---------------------------------------------------------------------------- compiled search
+
+NEEDS_CORE = pytest.mark.skipif(
+    _algorithms._native is None, reason="the compiled core is not built"
+)
+
+
+def _assign_both(problem: BalanceProblem, **kwargs: int) -> tuple[object, object]:
+    with lpt_core("python"):
+        expected = RefineAlgorithm(**kwargs).assign(problem)
+    with lpt_core("compiled"):
+        got = RefineAlgorithm(**kwargs).assign(problem)
+    return expected, got
+
+
+@NEEDS_CORE
+@FAST
+@given(problems(), st.sampled_from(["makespan", "balance"]))
+def test_compiled_search_matches_the_python_search(problem: BalanceProblem, objective: str) -> None:
+    problem = BalanceProblem(
+        keys=problem.keys,
+        costs=problem.costs,
+        tokens=problem.tokens,
+        budget_costs=problem.budget_costs,
+        source_bins=problem.source_bins,
+        num_ranks=problem.num_ranks,
+        bins_per_rank=problem.bins_per_rank,
+        constraints=problem.constraints,
+        objective=resolve_objective(objective),
+    )
+    expected, got = _assign_both(problem)
+    assert got == expected
+
+
+@NEEDS_CORE
+@FAST
+@given(problems(full=True))
+def test_compiled_search_matches_on_nearly_full_bins(problem: BalanceProblem) -> None:
+    expected, got = _assign_both(problem)
+    assert got == expected
+
+
+@NEEDS_CORE
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_search_matches_on_large_ranks(seed: int) -> None:
+    # ~70 samples per rank: the swap family uses its cost-sorted windows, the exchange family
+    # its top candidates, and the search runs for many attempts on tied, unrelated costs.
+    rng = np.random.default_rng(seed)
+    per = int(rng.integers(1, 4))
+    bins = [
+        [int(t) for t in rng.integers(1, 6, size=int(rng.integers(20, 70)))] for _ in range(6 * per)
+    ]
+    costs = [float(c) for c in rng.integers(1, 60, size=sum(map(len, bins)))]
+    problem = make_problem(bins, num_ranks=6, seq_len=max(sum(b) for b in bins) + 3, costs=costs)
+    expected, got = _assign_both(problem, max_iterations=60)
+    assert expected is not None
+    assert got == expected
+
+
+@NEEDS_CORE
+def test_compiled_search_matches_on_many_ranks() -> None:
+    # More ranks than the search examines at once: the lightest-rank selection and its ties.
+    rng = np.random.default_rng(11)
+    bins = [[int(t) for t in rng.integers(1, 9, size=int(rng.integers(1, 6)))] for _ in range(96)]
+    costs = [float(c) for c in rng.integers(1, 8, size=sum(map(len, bins)))]
+    problem = make_problem(bins, num_ranks=48, seq_len=40, costs=costs)
+    expected, got = _assign_both(problem, max_iterations=200)
+    assert got == expected

@@ -139,7 +139,7 @@ def test_topology_roles() -> None:
 # -- agreement messages --------------------------------------------------------------------------
 
 
-def _record(seq_len: int, algorithm: str = "refine-v3") -> dict[str, Any]:
+def _record(seq_len: int, algorithm: str = "refine-v4") -> dict[str, Any]:
     return {
         "error": None,
         "agree": {

@@ -1,0 +1,965 @@
+/*
+ * Phase 2 of the reference greedy (lpt_assign in _algorithms.py) without packing budgets.
+ *
+ * The Python function _place_plain is the specification; this is the same rule in C, for
+ * speed only (about 40x fewer nanoseconds per sample). Both must produce identical layouts:
+ * the tests compare them on random problems, ties included, and every rank of a group may
+ * run either one. Loads are IEEE doubles summed in the same order as the Python floats, and
+ * the module is compiled without floating-point contraction, so the sums agree bit for bit.
+ *
+ * Rule, per sample in the given order: among ranks that have a bin with room for the
+ * sample, take the lowest load; ranks tied on that load compare (capacity left after
+ * insertion, rank tokens, rank); inside the rank the fullest bin with room wins (first bin on
+ * ties). A rank whose emptiest bin cannot take the sample is parked (bins only fill up, so
+ * it stays infeasible) until a sample short enough for that bin comes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <math.h>
+#include <string.h>
+
+typedef struct {
+    int64_t *ids;
+    Py_ssize_t size;
+} heap_t;
+
+/* Load heap: least load first, then lowest rank. */
+static inline int load_less(const double *load, int64_t a, int64_t b) {
+    return load[a] < load[b] || (load[a] == load[b] && a < b);
+}
+
+/* Parking heap: largest room first (room = seq_len - fill of the rank's emptiest bin). */
+static inline int room_less(const int64_t *room, int64_t a, int64_t b) {
+    return room[a] > room[b] || (room[a] == room[b] && a < b);
+}
+
+#define DEFINE_HEAP(NAME, KEY_T, LESS)                                                        \
+    static void NAME##_push(heap_t *h, const KEY_T *key, int64_t id) {                        \
+        Py_ssize_t i = h->size++;                                                             \
+        while (i > 0) {                                                                       \
+            Py_ssize_t parent = (i - 1) / 2;                                                  \
+            if (!LESS(key, id, h->ids[parent])) break;                                        \
+            h->ids[i] = h->ids[parent];                                                       \
+            i = parent;                                                                       \
+        }                                                                                     \
+        h->ids[i] = id;                                                                       \
+    }                                                                                         \
+    static void NAME##_sift(heap_t *h, const KEY_T *key, Py_ssize_t i) {                      \
+        int64_t id = h->ids[i];                                                               \
+        for (;;) {                                                                            \
+            Py_ssize_t child = 2 * i + 1;                                                     \
+            if (child >= h->size) break;                                                      \
+            if (child + 1 < h->size && LESS(key, h->ids[child + 1], h->ids[child])) child++;  \
+            if (!LESS(key, h->ids[child], id)) break;                                         \
+            h->ids[i] = h->ids[child];                                                        \
+            i = child;                                                                        \
+        }                                                                                     \
+        h->ids[i] = id;                                                                       \
+    }                                                                                         \
+    static int64_t NAME##_pop(heap_t *h, const KEY_T *key) {                                  \
+        int64_t top = h->ids[0];                                                              \
+        h->size--;                                                                            \
+        if (h->size > 0) {                                                                    \
+            h->ids[0] = h->ids[h->size];                                                      \
+            NAME##_sift(h, key, 0);                                                           \
+        }                                                                                     \
+        return top;                                                                           \
+    }
+
+DEFINE_HEAP(loads, double, load_less)
+DEFINE_HEAP(parked, int64_t, room_less)
+
+/* Fullest bin of rank r that can take `limit`-bounded fill (first on ties), or -1. */
+static inline Py_ssize_t best_slot(const int64_t *fills, Py_ssize_t per, int64_t limit) {
+    int64_t fill = -1;
+    Py_ssize_t slot = -1;
+    for (Py_ssize_t p = 0; p < per; p++) {
+        int64_t v = fills[p];
+        if (v <= limit && v > fill) {
+            fill = v;
+            slot = p;
+        }
+    }
+    return slot;
+}
+
+static inline int64_t emptiest(const int64_t *fills, Py_ssize_t per) {
+    int64_t low = fills[0];
+    for (Py_ssize_t p = 1; p < per; p++) {
+        if (fills[p] < low) low = fills[p];
+    }
+    return low;
+}
+
+static int check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssize_t count) {
+    if (view->len != itemsize * count) {
+        PyErr_Format(PyExc_ValueError, "place_plain: %s has %zd bytes, expected %zd", name,
+                     view->len, itemsize * count);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * place_plain(load, rank_tokens, bin_tokens, tokens, costs, out, per_rank, seq_len) -> bool
+ *
+ * load (float64[R]), rank_tokens (int64[R]) and bin_tokens (int64[R * per_rank]) are the
+ * state after phase 1 and are updated in place. tokens (int64[m]) and costs (float64[m]) are
+ * the remaining samples in placement order; out (int64[m]) receives each one's bin
+ * (rank * per_rank + slot). Returns False on a dead end (a sample fits no bin).
+ */
+static PyObject *place_plain(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer load_b, rtok_b, btok_b, tok_b, cost_b, out_b;
+    Py_ssize_t per, seq_len;
+    if (!PyArg_ParseTuple(args, "w*w*w*y*y*w*nn", &load_b, &rtok_b, &btok_b, &tok_b, &cost_b,
+                          &out_b, &per, &seq_len)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int64_t *ids = NULL;
+    Py_ssize_t ranks = load_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t m = tok_b.len / (Py_ssize_t)sizeof(int64_t);
+    if (per < 1 || ranks < 1) {
+        PyErr_SetString(PyExc_ValueError, "place_plain: per_rank and ranks must be >= 1");
+        goto done;
+    }
+    if (check(&rtok_b, "rank_tokens", sizeof(int64_t), ranks) ||
+        check(&btok_b, "bin_tokens", sizeof(int64_t), ranks * per) ||
+        check(&cost_b, "costs", sizeof(double), m) ||
+        check(&out_b, "out", sizeof(int64_t), m)) {
+        goto done;
+    }
+    double *load = (double *)load_b.buf;
+    int64_t *rank_tokens = (int64_t *)rtok_b.buf;
+    int64_t *bin_tokens = (int64_t *)btok_b.buf;
+    const int64_t *tokens = (const int64_t *)tok_b.buf;
+    const double *costs = (const double *)cost_b.buf;
+    int64_t *out = (int64_t *)out_b.buf;
+
+    /* One allocation: load heap, parking heap, parked rooms, tied ranks. */
+    ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(4 * ranks));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    heap_t heap = {ids, 0};
+    heap_t park = {ids + ranks, 0};
+    int64_t *room = ids + 2 * ranks;
+    int64_t *tied = ids + 3 * ranks;
+    int ok = 1;
+
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t r = 0; r < ranks; r++) loads_push(&heap, load, r);
+    for (Py_ssize_t i = 0; i < m && ok; i++) {
+        int64_t t = tokens[i];
+        int64_t limit = (int64_t)seq_len - t;
+        while (park.size > 0 && room[park.ids[0]] >= t) {
+            int64_t r = parked_pop(&park, room);
+            loads_push(&heap, load, r);
+        }
+        int64_t chosen = -1;
+        Py_ssize_t chosen_slot = -1;
+        while (heap.size > 0) {
+            int64_t r = loads_pop(&heap, load);
+            Py_ssize_t slot = best_slot(bin_tokens + r * per, per, limit);
+            if (slot < 0) {
+                room[r] = (int64_t)seq_len - emptiest(bin_tokens + r * per, per);
+                parked_push(&park, room, r);
+                continue;
+            }
+            /* Ranks tied on this load: the smallest (room left, rank tokens, rank) wins. */
+            double level = load[r];
+            Py_ssize_t ntied = 0;
+            chosen = r;
+            chosen_slot = slot;
+            while (heap.size > 0 && load[heap.ids[0]] == level) {
+                int64_t q = loads_pop(&heap, load);
+                Py_ssize_t qs = best_slot(bin_tokens + q * per, per, limit);
+                if (qs < 0) {
+                    room[q] = (int64_t)seq_len - emptiest(bin_tokens + q * per, per);
+                    parked_push(&park, room, q);
+                    continue;
+                }
+                int64_t left_q = limit - bin_tokens[q * per + qs];
+                int64_t left_c = limit - bin_tokens[chosen * per + chosen_slot];
+                /* Ranks leave the heap in ascending order, so q > chosen on a full tie. */
+                if (left_q < left_c ||
+                    (left_q == left_c && rank_tokens[q] < rank_tokens[chosen])) {
+                    tied[ntied++] = chosen;
+                    chosen = q;
+                    chosen_slot = qs;
+                } else {
+                    tied[ntied++] = q;
+                }
+            }
+            for (Py_ssize_t k = 0; k < ntied; k++) loads_push(&heap, load, tied[k]);
+            break;
+        }
+        if (chosen < 0) {
+            ok = 0;  /* every rank is parked: no bin can take the sample */
+            break;
+        }
+        bin_tokens[chosen * per + chosen_slot] += t;
+        rank_tokens[chosen] += t;
+        load[chosen] = load[chosen] + costs[i];
+        out[i] = chosen * per + chosen_slot;
+        loads_push(&heap, load, chosen);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyBool_FromLong(ok);
+
+done:
+    free(ids);
+    PyBuffer_Release(&load_b);
+    PyBuffer_Release(&rtok_b);
+    PyBuffer_Release(&btok_b);
+    PyBuffer_Release(&tok_b);
+    PyBuffer_Release(&cost_b);
+    PyBuffer_Release(&out_b);
+    return result;
+}
+
+
+/* ============================================================================================
+ * The default algorithm's local search (_refine._Search.run) without packing budgets.
+ *
+ * _refine.py is the specification; this is the same search, family by family and candidate
+ * by candidate, for speed only (an attempt costs microseconds here, hundreds of them in
+ * numpy). Each comparison and float operation follows the numpy expression it replaces, in
+ * the same order, so both produce identical layouts (the tests compare them). Candidate
+ * matrices are walked in row-major order and a candidate replaces the best only when its
+ * score is strictly lower, as numpy's argmin returns the first minimum.
+ * ========================================================================================== */
+
+#define NEAR_TARGETS 4
+#define WIDE_TARGETS 32
+#define FULL_SWAP_PAIRS 4096
+#define SWAP_NEIGHBOURS 4
+#define EXCHANGE_CANDIDATES 8
+#define UNBOUNDED INT64_MAX
+
+typedef struct {
+    int64_t *v;
+    Py_ssize_t n, cap;
+} vec_t;
+
+typedef enum { NONE = 0, MOVE, SHIFT_MOVE, BIN_SWAP, SWAP, EXCHANGE } kind_t;
+
+typedef struct {
+    kind_t kind;
+    int64_t a, b, c; /* move (i, y); shift move (i, k, to); bin swap (x, y); swap (i, j);
+                        exchange (i, run start, run end) within the search's `xlight` */
+} change_t;
+
+typedef struct {
+    Py_ssize_t ranks, per, n;
+    int64_t seq_len;
+    int sumsq;
+    const double *cost;
+    const int64_t *tok;
+    vec_t *members;
+    int64_t *bin_of, *bin_cnt, *bin_tok;
+    double *bin_cost, *load;
+    /* scratch: n entries each */
+    int64_t *heavy, *light, *kept, *xlight, *ia, *ib, *ic, *tp;
+    double *key, *cp;
+    /* scratch: one entry per rank (rooms: ranks * per) */
+    int64_t *rooms, *first, *second, *best_k, *begin, *size, *pos, *order;
+    unsigned char *stuck;
+} search_t;
+
+static int vec_push(vec_t *vec, int64_t value) {
+    if (vec->n == vec->cap) {
+        Py_ssize_t cap = vec->cap ? 2 * vec->cap : 8;
+        int64_t *v = (int64_t *)realloc(vec->v, sizeof(int64_t) * (size_t)cap);
+        if (v == NULL) return -1;
+        vec->v = v;
+        vec->cap = cap;
+    }
+    vec->v[vec->n++] = value;
+    return 0;
+}
+
+/* list.remove: the first occurrence, the rest keeping their order. */
+static void vec_remove(vec_t *vec, int64_t value) {
+    for (Py_ssize_t k = 0; k < vec->n; k++) {
+        if (vec->v[k] == value) {
+            memmove(vec->v + k, vec->v + k + 1, sizeof(int64_t) * (size_t)(vec->n - k - 1));
+            vec->n--;
+            return;
+        }
+    }
+}
+
+/* np.maximum of two non-NaN doubles. */
+static inline double dmax(double x, double y) { return x >= y ? x : y; }
+
+/* _rank_samples: rank r's samples in bin order. */
+static Py_ssize_t rank_samples(const search_t *s, int64_t r, int64_t *out) {
+    Py_ssize_t m = 0;
+    for (Py_ssize_t b = r * s->per; b < (r + 1) * s->per; b++) {
+        if (s->members[b].n) {
+            memcpy(out + m, s->members[b].v, sizeof(int64_t) * (size_t)s->members[b].n);
+        }
+        m += s->members[b].n;
+    }
+    return m;
+}
+
+static int relocate(search_t *s, int64_t i, int64_t src, int64_t dst) {
+    vec_remove(&s->members[src], i);
+    if (vec_push(&s->members[dst], i) < 0) return -1;
+    s->bin_of[i] = dst;
+    int64_t t = s->tok[i];
+    double c = s->cost[i];
+    s->bin_tok[src] -= t;
+    s->bin_tok[dst] += t;
+    s->bin_cnt[src] -= 1;
+    s->bin_cnt[dst] += 1;
+    s->bin_cost[src] -= c;
+    s->bin_cost[dst] += c;
+    s->load[src / s->per] -= c;
+    s->load[dst / s->per] += c;
+    return 0;
+}
+
+/* _move_with_room: returns the best score (INFINITY when nothing qualifies). */
+static double move_with_room(search_t *s, const int64_t *hi, Py_ssize_t nh,
+                             const int64_t *targets, Py_ssize_t nt, double tol, change_t *best) {
+    Py_ssize_t per = s->per;
+    double top = s->load[s->bin_of[hi[0]] / per];
+    int64_t *rooms = s->rooms;
+    int possible = 0;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        int64_t *row = rooms + t * per;
+        for (Py_ssize_t p = 0; p < per; p++) row[p] = s->seq_len - s->bin_tok[targets[t] * per + p];
+        Py_ssize_t f = 0;
+        for (Py_ssize_t p = 1; p < per; p++) if (row[p] > row[f]) f = p;
+        Py_ssize_t g = -1;
+        for (Py_ssize_t p = 0; p < per; p++) {
+            if (p != f && (g < 0 || row[p] > row[g])) g = p;
+        }
+        s->first[t] = f;
+        s->second[t] = g;
+        int64_t two = row[f] + row[g];
+        double limit = (top - s->load[targets[t]]) - tol;
+        for (Py_ssize_t h = 0; h < nh && !possible; h++) {
+            if (s->tok[hi[h]] <= two && s->cost[hi[h]] < limit) possible = 1;
+        }
+    }
+    if (!possible) return INFINITY;
+    int64_t *light = s->xlight, *slot = s->ia, *freed = s->ib;
+    Py_ssize_t m = 0;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        Py_ssize_t k0 = m;
+        m += rank_samples(s, targets[t], light + m);
+        for (Py_ssize_t k = k0; k < m; k++) slot[k] = t;
+    }
+    int any = 0;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        int64_t yk = s->bin_of[light[k]];
+        Py_ssize_t t = slot[k];
+        int64_t own = yk % per;
+        int64_t dest = own == s->first[t] ? s->second[t] : s->first[t];
+        int64_t tk = s->tok[light[k]];
+        int shiftable = tk <= rooms[t * per + dest] && s->bin_cnt[yk] >= 2;
+        any |= shiftable;
+        freed[k] = shiftable ? rooms[t * per + own] + tk : -1;
+    }
+    if (!any) return INFINITY;
+    /* Per target, the shift that frees the most room (first on ties). */
+    for (Py_ssize_t t = 0; t < nt; t++) s->best_k[t] = -1;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        Py_ssize_t t = slot[k];
+        if (s->best_k[t] < 0 || freed[k] > freed[s->best_k[t]]) s->best_k[t] = k;
+    }
+    double best_score = INFINITY;
+    Py_ssize_t br = -1, bc = -1;
+    for (Py_ssize_t h = 0; h < nh; h++) {
+        int64_t th = s->tok[hi[h]];
+        double ch = s->cost[hi[h]];
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            int64_t room = s->best_k[t] >= 0 ? freed[s->best_k[t]] : -1;
+            double tload = s->load[targets[t]];
+            if (!(th <= room && ch < (top - tload) - tol)) continue;
+            double score = dmax(top - ch, tload + ch);
+            if (score < best_score) {
+                best_score = score;
+                br = h;
+                bc = t;
+            }
+        }
+    }
+    if (br < 0) return INFINITY;
+    int64_t k = s->best_k[bc];
+    int64_t own = s->bin_of[light[k]] % per;
+    best->kind = SHIFT_MOVE;
+    best->a = hi[br];
+    best->b = light[k];
+    best->c = targets[bc] * per + (own == s->first[bc] ? s->second[bc] : s->first[bc]);
+    return best_score;
+}
+
+/* _cheap (and _move, which is _cheap without the shift). */
+static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
+                 const int64_t *targets, Py_ssize_t nt, double tol, int shift, change_t *best) {
+    Py_ssize_t per = s->per;
+    double top = s->load[a];
+    double best_score = INFINITY;
+    best->kind = NONE;
+    int64_t *hi = s->kept;
+    Py_ssize_t nm = 0;
+    for (Py_ssize_t h = 0; h < nh; h++) {
+        int64_t i = heavy[h];
+        if (s->bin_cnt[s->bin_of[i]] >= 2 && s->cost[i] > tol) hi[nm++] = i;
+    }
+    if (nm > 0) {
+        Py_ssize_t br = -1;
+        int64_t by = -1;
+        for (Py_ssize_t h = 0; h < nm; h++) {
+            double ch = s->cost[hi[h]];
+            int64_t th = s->tok[hi[h]];
+            for (Py_ssize_t t = 0; t < nt; t++) {
+                double yload = s->load[targets[t]];
+                for (Py_ssize_t p = 0; p < per; p++) {
+                    int64_t y = targets[t] * per + p;
+                    if (!(th <= s->seq_len - s->bin_tok[y] && ch < (top - yload) - tol)) continue;
+                    double score = dmax(top - ch, yload + ch);
+                    if (br < 0 || score < best_score) {
+                        best_score = score;
+                        br = h;
+                        by = y;
+                    }
+                }
+            }
+        }
+        if (br >= 0) {
+            best->kind = MOVE;
+            best->a = hi[br];
+            best->b = by;
+        } else if (shift && per > 1) {
+            best_score = move_with_room(s, hi, nm, targets, nt, tol, best);
+        }
+    }
+    double swap_score = INFINITY;
+    int64_t bx = -1, byb = -1;
+    for (Py_ssize_t px = 0; px < per; px++) {
+        int64_t x = a * per + px;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            double yload = s->load[targets[t]];
+            for (Py_ssize_t p = 0; p < per; p++) {
+                int64_t y = targets[t] * per + p;
+                double delta = s->bin_cost[x] - s->bin_cost[y];
+                if (!(delta > tol && delta < (top - yload) - tol)) continue;
+                double score = dmax(top - delta, yload + delta);
+                if (bx < 0 || score < swap_score) {
+                    swap_score = score;
+                    bx = x;
+                    byb = y;
+                }
+            }
+        }
+    }
+    if (bx >= 0 && swap_score < best_score) {
+        best->kind = BIN_SWAP;
+        best->a = bx;
+        best->b = byb;
+    }
+    return best->kind != NONE;
+}
+
+typedef int (*before_t)(const search_t *, int64_t, int64_t);
+
+/* Sort sample indices by `before` (a strict total order), bottom-up merge sort via `tmp`. */
+static void sort_samples(const search_t *s, int64_t *a, Py_ssize_t n, int64_t *tmp,
+                         before_t before) {
+    int64_t *src = a, *dst = tmp;
+    for (Py_ssize_t width = 1; width < n; width *= 2) {
+        for (Py_ssize_t lo = 0; lo < n; lo += 2 * width) {
+            Py_ssize_t mid = lo + width < n ? lo + width : n;
+            Py_ssize_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            Py_ssize_t i = lo, j = mid, k = lo;
+            while (i < mid && j < hi) dst[k++] = before(s, src[j], src[i]) ? src[j++] : src[i++];
+            while (i < mid) dst[k++] = src[i++];
+            while (j < hi) dst[k++] = src[j++];
+        }
+        int64_t *swap = src;
+        src = dst;
+        dst = swap;
+    }
+    if (src != a) memcpy(a, src, sizeof(int64_t) * (size_t)n);
+}
+
+/* (cost, index) ascending: _sorted_samples. */
+static int cost_up(const search_t *s, int64_t i, int64_t j) {
+    double ci = s->cost[i], cj = s->cost[j];
+    return ci < cj || (ci == cj && i < j);
+}
+
+/* (-cost, index) ascending: the exchange's heavy candidates. */
+static int cost_down(const search_t *s, int64_t i, int64_t j) {
+    double ci = s->cost[i], cj = s->cost[j];
+    return ci > cj || (ci == cj && i < j);
+}
+
+/* (bin, tokens, index) ascending: the exchange's partner samples. */
+static int bin_tokens_up(const search_t *s, int64_t i, int64_t j) {
+    if (s->bin_of[i] != s->bin_of[j]) return s->bin_of[i] < s->bin_of[j];
+    if (s->tok[i] != s->tok[j]) return s->tok[i] < s->tok[j];
+    return i < j;
+}
+
+/* _swap */
+static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh_all,
+                       const int64_t *targets, Py_ssize_t nt, double tol, change_t *best) {
+    Py_ssize_t per = s->per;
+    double top = s->load[a];
+    int64_t *light = s->light;
+    Py_ssize_t L = 0;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        s->begin[t] = L;
+        s->size[t] = rank_samples(s, targets[t], light + L);
+        L += s->size[t];
+    }
+    double cl_min = INFINITY;
+    for (Py_ssize_t k = 0; k < L; k++) {
+        if (s->cost[light[k]] < cl_min) cl_min = s->cost[light[k]];
+    }
+    int64_t *kept = s->kept;
+    Py_ssize_t nh = 0;
+    for (Py_ssize_t h = 0; h < nh_all; h++) {
+        if (s->cost[heavy[h]] > cl_min + tol) kept[nh++] = heavy[h];
+    }
+    if (nh == 0) return 0;
+    int windowed = (int64_t)nh * (int64_t)L > FULL_SWAP_PAIRS;
+    double span = 0.0;
+    if (windowed) {
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            sort_samples(s, light + s->begin[t], s->size[t], s->ic, cost_up);
+        }
+        double cl_max = s->cost[light[0]], ch_max = s->cost[kept[0]];
+        for (Py_ssize_t k = 1; k < L; k++) cl_max = dmax(cl_max, s->cost[light[k]]);
+        for (Py_ssize_t h = 1; h < nh; h++) ch_max = dmax(ch_max, s->cost[kept[h]]);
+        span = 2.0 * (ch_max > cl_max ? ch_max : cl_max) + 1.0;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            for (Py_ssize_t k = s->begin[t]; k < s->begin[t] + s->size[t]; k++) {
+                s->key[k] = (double)t * span + s->cost[light[k]];
+            }
+        }
+    }
+    Py_ssize_t width = windowed ? nt * 2 * SWAP_NEIGHBOURS : L;
+    double best_score = INFINITY;
+    int64_t bi = -1, bj = -1;
+    for (Py_ssize_t h = 0; h < nh; h++) {
+        int64_t i = kept[h];
+        double ch = s->cost[i];
+        int64_t th = s->tok[i];
+        int64_t xh = s->bin_of[i];
+        int64_t room_x = s->bin_cnt[xh] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[xh] + th;
+        if (windowed) {
+            for (Py_ssize_t t = 0; t < nt; t++) {
+                double half_gap = 0.5 * (top - s->load[targets[t]]);
+                double q = (double)t * span + dmax(ch - half_gap, 0.0);
+                Py_ssize_t lo = 0, hi = L; /* searchsorted(key, q, side="left") */
+                while (lo < hi) {
+                    Py_ssize_t mid = lo + (hi - lo) / 2;
+                    if (s->key[mid] < q) lo = mid + 1;
+                    else hi = mid;
+                }
+                s->pos[t] = lo;
+            }
+        }
+        for (Py_ssize_t col = 0; col < width; col++) {
+            Py_ssize_t k = col;
+            if (windowed) {
+                Py_ssize_t t = col / (2 * SWAP_NEIGHBOURS);
+                k = s->pos[t] + col % (2 * SWAP_NEIGHBOURS) - SWAP_NEIGHBOURS;
+                if (k < s->begin[t]) k = s->begin[t];
+                if (k > s->begin[t] + s->size[t] - 1) k = s->begin[t] + s->size[t] - 1;
+            }
+            int64_t j = light[k];
+            int64_t yl = s->bin_of[j];
+            double lload = s->load[yl / per];
+            double delta = ch - s->cost[j];
+            if (!(delta > tol && delta < (top - lload) - tol)) continue;
+            int64_t tl = s->tok[j];
+            int64_t room_y = s->bin_cnt[yl] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[yl] + tl;
+            if (!(tl <= room_x && th <= room_y)) continue;
+            double score = dmax(top - delta, lload + delta);
+            if (bi < 0 || score < best_score) {
+                best_score = score;
+                bi = i;
+                bj = j;
+            }
+        }
+    }
+    if (bi < 0) return 0;
+    best->kind = SWAP;
+    best->a = bi;
+    best->b = bj;
+    return 1;
+}
+
+/* First index of tp[0..len) with tp[idx] >= v (right=0) or > v (right=1). */
+static inline Py_ssize_t search_sorted(const int64_t *tp, Py_ssize_t len, int64_t v, int right) {
+    Py_ssize_t lo = 0, hi = len;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (right ? tp[mid] <= v : tp[mid] < v) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* _exchange */
+static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_ssize_t nh_all,
+                           const int64_t *targets, Py_ssize_t nt, double tol, change_t *best) {
+    Py_ssize_t per = s->per;
+    double top = s->load[a];
+    int64_t *heavy = s->kept;
+    Py_ssize_t nh = nh_all;
+    memcpy(heavy, heavy_all, sizeof(int64_t) * (size_t)nh_all);
+    if (nh > EXCHANGE_CANDIDATES) {
+        sort_samples(s, heavy, nh, s->ic, cost_down);
+        nh = EXCHANGE_CANDIDATES;
+    }
+    int64_t *light = s->xlight;
+    Py_ssize_t m = 0;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        for (Py_ssize_t p = 0; p < per; p++) {
+            int64_t y = targets[t] * per + p;
+            if (s->bin_cnt[y] < 2) continue;
+            memcpy(light + m, s->members[y].v, sizeof(int64_t) * (size_t)s->members[y].n);
+            m += s->members[y].n;
+        }
+    }
+    if (m == 0) return 0;
+    sort_samples(s, light, m, s->ic, bin_tokens_up);
+    int64_t *tp = s->tp, *stop = s->ia;
+    double *cp = s->cp;
+    tp[0] = 0;
+    cp[0] = 0.0;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        tp[k + 1] = tp[k] + s->tok[light[k]];
+        cp[k + 1] = cp[k] + s->cost[light[k]];
+    }
+    for (Py_ssize_t k = m - 1; k >= 0; k--) {
+        int last = k == m - 1 || s->bin_of[light[k + 1]] != s->bin_of[light[k]];
+        stop[k] = last ? k + 1 : stop[k + 1];
+    }
+    double best_score = INFINITY;
+    int64_t brow = -1, bs = -1, be = -1;
+    for (int pass = 0; pass < 2; pass++) {
+        double pass_score = INFINITY;
+        int64_t prow = -1, ps = -1, pe = -1;
+        for (Py_ssize_t h = 0; h < nh; h++) {
+            int64_t i = heavy[h];
+            int64_t th = s->tok[i];
+            int64_t xh = s->bin_of[i];
+            double ch = s->cost[i];
+            int64_t hi = s->bin_cnt[xh] == 1 ? s->seq_len : s->seq_len - s->bin_tok[xh] + th;
+            for (Py_ssize_t k = 0; k < m; k++) {
+                int64_t yl = s->bin_of[light[k]];
+                int64_t lo = th - (s->seq_len - s->bin_tok[yl]);
+                int64_t base = tp[k];
+                int64_t end;
+                /* Both searches start above k (the bound is > tp[k]) and only ends up to
+                   stop[k] can qualify, so searching tp[k + 1 .. stop[k]] gives the same
+                   verdict as numpy's search over all of tp, at a fraction of the steps. */
+                const int64_t *window = tp + k + 1;
+                Py_ssize_t span_len = stop[k] - k;
+                if (pass == 0) {
+                    end = k + 1 + search_sorted(window, span_len, base + (lo > 1 ? lo : 1), 0);
+                } else {
+                    end = k + search_sorted(window, span_len, base + hi, 1);
+                    if (end > stop[k]) end = stop[k];
+                }
+                if (end > m) end = m;
+                int64_t run_tok = tp[end] - base;
+                if (!(end >= k + 2 && end <= stop[k] && run_tok >= lo && run_tok <= hi)) continue;
+                double gap = top - s->load[yl / per];
+                double delta = ch - (cp[end] - cp[k]);
+                if (!(delta > tol && delta < gap - tol)) continue;
+                double score = dmax(top - delta, (top - gap) + delta);
+                if (prow < 0 || score < pass_score) {
+                    pass_score = score;
+                    prow = h;
+                    ps = k;
+                    pe = end;
+                }
+            }
+        }
+        if (prow >= 0 && pass_score < best_score) {
+            best_score = pass_score;
+            brow = prow;
+            bs = ps;
+            be = pe;
+        }
+    }
+    if (brow < 0) return 0;
+    best->kind = EXCHANGE;
+    best->a = heavy[brow];
+    best->b = bs;
+    best->c = be;
+    return 1;
+}
+
+/* Apply a change; returns the partner rank, or -2 when out of memory. */
+static int64_t apply_change(search_t *s, const change_t *c) {
+    Py_ssize_t per = s->per;
+    int64_t x, y;
+    switch (c->kind) {
+    case MOVE:
+        y = c->b;
+        if (relocate(s, c->a, s->bin_of[c->a], y) < 0) return -2;
+        return y / per;
+    case SHIFT_MOVE:
+        y = s->bin_of[c->b];
+        if (relocate(s, c->b, y, c->c) < 0) return -2;
+        if (relocate(s, c->a, s->bin_of[c->a], y) < 0) return -2;
+        return y / per;
+    case SWAP:
+        x = s->bin_of[c->a];
+        y = s->bin_of[c->b];
+        if (relocate(s, c->a, x, y) < 0 || relocate(s, c->b, y, x) < 0) return -2;
+        return y / per;
+    case EXCHANGE: {
+        x = s->bin_of[c->a];
+        y = s->bin_of[s->xlight[c->b]];
+        if (relocate(s, c->a, x, y) < 0) return -2;
+        for (int64_t k = c->b; k < c->c; k++) {
+            if (relocate(s, s->xlight[k], y, x) < 0) return -2;
+        }
+        return y / per;
+    }
+    case BIN_SWAP: {
+        x = c->a;
+        y = c->b;
+        vec_t held = s->members[x];
+        s->members[x] = s->members[y];
+        s->members[y] = held;
+        for (Py_ssize_t k = 0; k < s->members[x].n; k++) s->bin_of[s->members[x].v[k]] = x;
+        for (Py_ssize_t k = 0; k < s->members[y].n; k++) s->bin_of[s->members[y].v[k]] = y;
+        int64_t ti = s->bin_tok[x]; s->bin_tok[x] = s->bin_tok[y]; s->bin_tok[y] = ti;
+        ti = s->bin_cnt[x]; s->bin_cnt[x] = s->bin_cnt[y]; s->bin_cnt[y] = ti;
+        double td = s->bin_cost[x]; s->bin_cost[x] = s->bin_cost[y]; s->bin_cost[y] = td;
+        double moved = s->bin_cost[y] - s->bin_cost[x];
+        s->load[x / per] -= moved;
+        s->load[y / per] += moved;
+        return y / per;
+    }
+    default:
+        return -1;
+    }
+}
+
+static inline int lighter(const double *load, int64_t p, int64_t q) {
+    return load[p] < load[q] || (load[p] == load[q] && p < q);
+}
+
+/* _improve: -1 when rank a admits no improving change, -2 when out of memory. */
+static int64_t improve(search_t *s, int64_t a) {
+    double top = s->load[a];
+    double tol = 1e-12 * fabs(top) + 1e-300;
+    Py_ssize_t count = s->ranks;
+    Py_ssize_t reach = NEAR_TARGETS + (s->sumsq ? 0 : WIDE_TARGETS);
+    Py_ssize_t want = count - 1 > reach ? reach : count;
+    /* The first `want` ranks by (load, rank), ascending (insertion into a short list). */
+    int64_t *order = s->order;
+    Py_ssize_t held = 0;
+    for (int64_t r = 0; r < count; r++) {
+        if (held == want && !lighter(s->load, r, order[held - 1])) continue;
+        Py_ssize_t k = held < want ? held++ : held - 1;
+        while (k > 0 && lighter(s->load, r, order[k - 1])) {
+            order[k] = order[k - 1];
+            k--;
+        }
+        order[k] = r;
+    }
+    Py_ssize_t size = 0;
+    while (size < held && s->load[order[size]] < top - tol) size++;
+    if (size == 0) return -1;
+    Py_ssize_t nh = rank_samples(s, a, s->heavy);
+    Py_ssize_t near = size < NEAR_TARGETS ? size : NEAR_TARGETS;
+    change_t change;
+    if (cheap(s, a, s->heavy, nh, order, near, tol, 0, &change) ||
+        swap_family(s, a, s->heavy, nh, order, near, tol, &change) ||
+        exchange_family(s, a, s->heavy, nh, order, near, tol, &change) ||
+        cheap(s, a, s->heavy, nh, order, near, tol, 1, &change)) {
+        return apply_change(s, &change);
+    }
+    if (size > NEAR_TARGETS &&
+        cheap(s, a, s->heavy, nh, order + NEAR_TARGETS, size - NEAR_TARGETS, tol, 1, &change)) {
+        return apply_change(s, &change);
+    }
+    return -1;
+}
+
+/*
+ * refine_search(cost, tok, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost, load, out_flat,
+ *               out_sizes, per_rank, seq_len, budget, good_enough, sumsq) -> attempts
+ *
+ * The start layout is (flat, sizes); bin_of .. load are _Search's state for it and are
+ * updated in place; the final layout goes to (out_flat, out_sizes).
+ */
+static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer cost_b, tok_b, flat_b, sizes_b, bin_of_b, cnt_b, btok_b, bcost_b, load_b, of_b, os_b;
+    Py_ssize_t per, seq_len, budget;
+    double good_enough;
+    int sumsq;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*w*w*w*w*nnndp", &cost_b, &tok_b, &flat_b,
+                          &sizes_b, &bin_of_b, &cnt_b, &btok_b, &bcost_b, &load_b, &of_b, &os_b,
+                          &per, &seq_len, &budget, &good_enough, &sumsq)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    search_t s;
+    memset(&s, 0, sizeof(s));
+    void *block = NULL;
+    Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t ranks = load_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t attempts = 0;
+    int failed = 0;
+    if (per < 1 || ranks < 1 || nb != ranks * per) {
+        PyErr_SetString(PyExc_ValueError, "refine_search: inconsistent ranks and bins");
+        goto done;
+    }
+    if (check(&tok_b, "tok", sizeof(int64_t), n) || check(&flat_b, "flat", sizeof(int64_t), n) ||
+        check(&bin_of_b, "bin_of", sizeof(int64_t), n) ||
+        check(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
+        check(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
+        check(&bcost_b, "bin_cost", sizeof(double), nb) ||
+        check(&of_b, "out_flat", sizeof(int64_t), n) ||
+        check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
+        goto done;
+    }
+    size_t words = (size_t)(8 * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
+    block = calloc(words, sizeof(int64_t));
+    s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
+    s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
+    if (block == NULL || s.members == NULL || s.stuck == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *w = (int64_t *)block;
+    s.heavy = w; w += n;
+    s.light = w; w += n;
+    s.kept = w; w += n;
+    s.xlight = w; w += n;
+    s.ia = w; w += n;
+    s.ib = w; w += n;
+    s.ic = w; w += n;
+    s.key = (double *)w; w += n;
+    s.tp = w; w += n + 1;
+    s.cp = (double *)w; w += n + 1;
+    s.rooms = w; w += ranks * per;
+    s.first = w; w += ranks;
+    s.second = w; w += ranks;
+    s.best_k = w; w += ranks;
+    s.begin = w; w += ranks;
+    s.size = w; w += ranks;
+    s.pos = w; w += ranks;
+    s.order = w; w += ranks;
+    s.ranks = ranks;
+    s.per = per;
+    s.n = n;
+    s.seq_len = seq_len;
+    s.sumsq = sumsq;
+    s.cost = (const double *)cost_b.buf;
+    s.tok = (const int64_t *)tok_b.buf;
+    s.bin_of = (int64_t *)bin_of_b.buf;
+    s.bin_cnt = (int64_t *)cnt_b.buf;
+    s.bin_tok = (int64_t *)btok_b.buf;
+    s.bin_cost = (double *)bcost_b.buf;
+    s.load = (double *)load_b.buf;
+    const int64_t *flat = (const int64_t *)flat_b.buf;
+    const int64_t *sizes = (const int64_t *)sizes_b.buf;
+    Py_ssize_t at = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        for (int64_t k = 0; k < sizes[b]; k++) {
+            if (at >= n || vec_push(&s.members[b], flat[at++]) < 0) {
+                failed = 1;
+                break;
+            }
+        }
+    }
+    if (failed || at != n) {
+        PyErr_SetString(PyExc_ValueError, "refine_search: flat and sizes disagree");
+        goto done;
+    }
+
+    Py_BEGIN_ALLOW_THREADS
+    for (; attempts < budget; attempts++) {
+        int64_t top = 0;
+        for (int64_t r = 1; r < ranks; r++) if (s.load[r] > s.load[top]) top = r;
+        if (!sumsq && (s.stuck[top] || s.load[top] <= good_enough)) break;
+        int64_t a = -1;
+        for (int64_t r = 0; r < ranks; r++) {
+            if (!s.stuck[r] && (a < 0 || s.load[r] > s.load[a])) a = r;
+        }
+        if (a < 0) break;
+        int64_t partner = improve(&s, a);
+        if (partner == -2) {
+            failed = 1;
+            break;
+        }
+        if (partner < 0) {
+            s.stuck[a] = 1;
+        } else {
+            s.stuck[a] = 0;
+            s.stuck[partner] = 0;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *out_flat = (int64_t *)of_b.buf, *out_sizes = (int64_t *)os_b.buf;
+    at = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        out_sizes[b] = s.members[b].n;
+        memcpy(out_flat + at, s.members[b].v, sizeof(int64_t) * (size_t)s.members[b].n);
+        at += s.members[b].n;
+    }
+    result = PyLong_FromSsize_t(attempts);
+
+done:
+    if (s.members != NULL) {
+        for (Py_ssize_t b = 0; b < nb; b++) free(s.members[b].v);
+    }
+    free(s.members);
+    free(s.stuck);
+    free(block);
+    PyBuffer_Release(&cost_b);
+    PyBuffer_Release(&tok_b);
+    PyBuffer_Release(&flat_b);
+    PyBuffer_Release(&sizes_b);
+    PyBuffer_Release(&bin_of_b);
+    PyBuffer_Release(&cnt_b);
+    PyBuffer_Release(&btok_b);
+    PyBuffer_Release(&bcost_b);
+    PyBuffer_Release(&load_b);
+    PyBuffer_Release(&of_b);
+    PyBuffer_Release(&os_b);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"place_plain", place_plain, METH_VARARGS,
+     "Phase 2 of the reference greedy without budgets (see _algorithms._place_plain)."},
+    {"refine_search", refine_search, METH_VARARGS,
+     "The default algorithm's local search without budgets (see _refine._Search.run)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_native",
+    "Compiled inner loops of the planner; _algorithms.py and _refine.py are their specification.",
+    -1, methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
