@@ -226,8 +226,9 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     distinct empty bin, so every bin ends non-empty; afterwards a sample goes to the feasible
     bin minimising (rank load, capacity left after insertion, rank tokens, rank, bin). Rank
     tokens add ``min(tokens, seq_len)``. Loads are Python floats summed in the same order as
-    the reference, so ties resolve identically. After the first phase, steps without packing
-    budgets are placed by :func:`_place_plain` (about 1-2 microseconds per sample); steps
+    the reference, so ties resolve identically. Steps without packing budgets run compiled
+    (``evenflow.engine._native``, ~50 ns per sample) when the extension is built; the Python
+    below is its specification (phase 2 by :func:`_place_plain`, 1-2 us per sample). Steps
     with budgets use a heap of ``(load, tokens, rank)`` tuples and check budgets per bin.
     """
     num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
@@ -237,6 +238,9 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     if n < num_bins:
         return None
     order_array = np.lexsort((-problem.tokens, -problem.costs))
+    if not problem.constraints.budgets and _native is not None and _use_native:
+        layout = _lpt_compiled(problem, order_array)
+        return None if layout is None else _split(*layout)
     # Phase 1 reads its own samples only; phase 2 takes arrays (compiled) or its own lists.
     opening = order_array[:num_bins]
     order: list[int] = opening.tolist()
@@ -247,7 +251,11 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
 
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     bin_tokens = [[0] * per_rank for _ in range(num_ranks)]
-    bin_budget = [[[0.0] * len(budgets) for _ in range(per_rank)] for _ in range(num_ranks)]
+    bin_budget = (
+        [[[0.0] * len(budgets) for _ in range(per_rank)] for _ in range(num_ranks)]
+        if budgets
+        else []
+    )
 
     # Phase 1: every bin is empty, so the capacity term is equal for all candidates and the
     # choice is the rank minimising (load, tokens, rank), then its first empty bin.
@@ -283,10 +291,6 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
         return bins
     if int(problem.tokens[rest_index].max()) > seq_len:
         return None  # an oversized sample needs an empty bin; none is left after phase 1
-    if not budgets and _native is not None and _use_native:
-        return _place_native(
-            bins, heap, rest_index, problem, bin_tokens=bin_tokens, seq_len=seq_len
-        )
     rest_tokens: list[int] = problem.tokens[rest_index].tolist()
     rest_costs: list[float] = problem.costs[rest_index].tolist()
     rest: list[int] = rest_index.tolist()
@@ -362,45 +366,42 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     return bins
 
 
-def _place_native(
-    bins: list[list[int]],
-    heap: list[tuple[float, int, int]],
-    rest_index: np.ndarray,
-    problem: BalanceProblem,
-    *,
-    bin_tokens: list[list[int]],
-    seq_len: int,
-) -> list[list[int]] | None:
-    """Phase 2 of :func:`lpt_assign` without budgets, by the compiled :func:`_place_plain`.
+def _lpt_compiled(
+    problem: BalanceProblem, order: np.ndarray
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The whole greedy without budgets, compiled: the layout as ``(flat, sizes)`` or None.
 
-    Same rule, same float sums, same layout (the tests compare the two); about 50 ns per
-    sample instead of ~2 us, which is most of the greedy's time on large steps.
+    Same rule and float sums as the Python code of :func:`lpt_assign` (phase 1 included),
+    so the same layout; the arrays feed the default algorithm without re-flattening.
     """
     assert _native is not None
-    num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
-    load = np.empty(num_ranks, dtype=np.float64)
-    rank_tokens = np.empty(num_ranks, dtype=np.int64)
-    for value, tokens, r in heap:
-        load[r] = value
-        rank_tokens[r] = tokens
-    fills = np.array(bin_tokens, dtype=np.int64).reshape(-1)
-    rest_tokens = np.ascontiguousarray(problem.tokens[rest_index])
-    rest_costs = np.ascontiguousarray(problem.costs[rest_index])
-    dest = np.empty(rest_index.size, dtype=np.int64)
-    if not _native.place_plain(
-        load, rank_tokens, fills, rest_tokens, rest_costs, dest, per_rank, seq_len
+    flat = np.empty(problem.num_samples, dtype=np.int64)
+    sizes = np.empty(problem.num_bins, dtype=np.int64)
+    placed = _native.lpt_plain(
+        np.ascontiguousarray(problem.costs),
+        np.ascontiguousarray(problem.tokens),
+        np.ascontiguousarray(order, dtype=np.int64),
+        flat,
+        sizes,
+        problem.num_ranks,
+        problem.bins_per_rank,
+        problem.constraints.seq_len,
+    )
+    return (flat, sizes) if placed else None
+
+
+def lpt_layout(problem: BalanceProblem) -> tuple[list[list[int]], np.ndarray, np.ndarray] | None:
+    """:func:`lpt_assign` with the layout also flattened (``bins, flat, sizes``), or None."""
+    if (
+        not problem.constraints.budgets
+        and _native is not None
+        and _use_native
+        and problem.num_samples >= problem.num_bins
     ):
-        return None
-    # Each bin gets its samples in placement order: a stable sort by destination.
-    order = np.argsort(dest, kind="stable")
-    placed: list[int] = rest_index[order].tolist()
-    ends: list[int] = np.cumsum(np.bincount(dest, minlength=len(bins))).tolist()
-    start = 0
-    for members, end in zip(bins, ends, strict=True):
-        if end > start:
-            members.extend(placed[start:end])
-        start = end
-    return bins
+        layout = _lpt_compiled(problem, np.lexsort((-problem.tokens, -problem.costs)))
+        return None if layout is None else (_split(*layout), *layout)
+    bins = lpt_assign(problem)
+    return None if bins is None else (bins, *_flatten(bins))
 
 
 def _place_plain(

@@ -1,13 +1,15 @@
 /*
- * Phase 2 of the reference greedy (lpt_assign in _algorithms.py) without packing budgets.
+ * Compiled inner loops of the planner: the reference greedy without packing budgets
+ * (lpt_assign in _algorithms.py) and the default algorithm's local search (_refine.py).
  *
- * The Python function _place_plain is the specification; this is the same rule in C, for
- * speed only (about 40x fewer nanoseconds per sample). Both must produce identical layouts:
- * the tests compare them on random problems, ties included, and every rank of a group may
- * run either one. Loads are IEEE doubles summed in the same order as the Python floats, and
- * the module is compiled without floating-point contraction, so the sums agree bit for bit.
+ * The Python code is the specification; this is the same computation, for speed only (the
+ * greedy ~40x, a search attempt ~20x fewer cycles). Both must produce identical layouts: the
+ * tests compare them on random problems, ties included, and every rank of a group may run
+ * either one. Floats are IEEE doubles combined in the same order as the Python and numpy
+ * expressions, and the module is compiled without floating-point contraction, so results
+ * agree bit for bit.
  *
- * Rule, per sample in the given order: among ranks that have a bin with room for the
+ * Greedy rule, per sample in the given order: among ranks that have a bin with room for the
  * sample, take the lowest load; ranks tied on that load compare (capacity left after
  * insertion, rank tokens, rank); inside the rank the fullest bin with room wins (first bin on
  * ties). A rank whose emptiest bin cannot take the sample is parked (bins only fill up, so
@@ -95,7 +97,7 @@ static inline int64_t emptiest(const int64_t *fills, Py_ssize_t per) {
 
 static int check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssize_t count) {
     if (view->len != itemsize * count) {
-        PyErr_Format(PyExc_ValueError, "place_plain: %s has %zd bytes, expected %zd", name,
+        PyErr_Format(PyExc_ValueError, "evenflow.engine._native: %s has %zd bytes, expected %zd", name,
                      view->len, itemsize * count);
         return -1;
     }
@@ -103,58 +105,22 @@ static int check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssiz
 }
 
 /*
- * place_plain(load, rank_tokens, bin_tokens, tokens, costs, out, per_rank, seq_len) -> bool
- *
- * load (float64[R]), rank_tokens (int64[R]) and bin_tokens (int64[R * per_rank]) are the
- * state after phase 1 and are updated in place. tokens (int64[m]) and costs (float64[m]) are
- * the remaining samples in placement order; out (int64[m]) receives each one's bin
- * (rank * per_rank + slot). Returns False on a dead end (a sample fits no bin).
+ * Phase 2 on plain arrays. load (R), rank_tokens (R) and bin_tokens (R * per) are the state
+ * after phase 1, updated in place; tokens and costs (m) are the remaining samples in
+ * placement order; out (m) receives each one's bin. ids holds 4 * R scratch entries.
+ * Returns 0 on a dead end (a sample fits no bin). Runs without the GIL.
  */
-static PyObject *place_plain(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer load_b, rtok_b, btok_b, tok_b, cost_b, out_b;
-    Py_ssize_t per, seq_len;
-    if (!PyArg_ParseTuple(args, "w*w*w*y*y*w*nn", &load_b, &rtok_b, &btok_b, &tok_b, &cost_b,
-                          &out_b, &per, &seq_len)) {
-        return NULL;
-    }
-    PyObject *result = NULL;
-    int64_t *ids = NULL;
-    Py_ssize_t ranks = load_b.len / (Py_ssize_t)sizeof(double);
-    Py_ssize_t m = tok_b.len / (Py_ssize_t)sizeof(int64_t);
-    if (per < 1 || ranks < 1) {
-        PyErr_SetString(PyExc_ValueError, "place_plain: per_rank and ranks must be >= 1");
-        goto done;
-    }
-    if (check(&rtok_b, "rank_tokens", sizeof(int64_t), ranks) ||
-        check(&btok_b, "bin_tokens", sizeof(int64_t), ranks * per) ||
-        check(&cost_b, "costs", sizeof(double), m) ||
-        check(&out_b, "out", sizeof(int64_t), m)) {
-        goto done;
-    }
-    double *load = (double *)load_b.buf;
-    int64_t *rank_tokens = (int64_t *)rtok_b.buf;
-    int64_t *bin_tokens = (int64_t *)btok_b.buf;
-    const int64_t *tokens = (const int64_t *)tok_b.buf;
-    const double *costs = (const double *)cost_b.buf;
-    int64_t *out = (int64_t *)out_b.buf;
-
-    /* One allocation: load heap, parking heap, parked rooms, tied ranks. */
-    ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(4 * ranks));
-    if (ids == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
+static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
+                      const int64_t *tokens, const double *costs, int64_t *out, Py_ssize_t ranks,
+                      Py_ssize_t per, Py_ssize_t m, int64_t seq_len, int64_t *ids) {
     heap_t heap = {ids, 0};
     heap_t park = {ids + ranks, 0};
     int64_t *room = ids + 2 * ranks;
     int64_t *tied = ids + 3 * ranks;
-    int ok = 1;
-
-    Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t r = 0; r < ranks; r++) loads_push(&heap, load, r);
-    for (Py_ssize_t i = 0; i < m && ok; i++) {
+    for (Py_ssize_t i = 0; i < m; i++) {
         int64_t t = tokens[i];
-        int64_t limit = (int64_t)seq_len - t;
+        int64_t limit = seq_len - t;
         while (park.size > 0 && room[park.ids[0]] >= t) {
             int64_t r = parked_pop(&park, room);
             loads_push(&heap, load, r);
@@ -165,7 +131,7 @@ static PyObject *place_plain(PyObject *Py_UNUSED(self), PyObject *args) {
             int64_t r = loads_pop(&heap, load);
             Py_ssize_t slot = best_slot(bin_tokens + r * per, per, limit);
             if (slot < 0) {
-                room[r] = (int64_t)seq_len - emptiest(bin_tokens + r * per, per);
+                room[r] = seq_len - emptiest(bin_tokens + r * per, per);
                 parked_push(&park, room, r);
                 continue;
             }
@@ -178,7 +144,7 @@ static PyObject *place_plain(PyObject *Py_UNUSED(self), PyObject *args) {
                 int64_t q = loads_pop(&heap, load);
                 Py_ssize_t qs = best_slot(bin_tokens + q * per, per, limit);
                 if (qs < 0) {
-                    room[q] = (int64_t)seq_len - emptiest(bin_tokens + q * per, per);
+                    room[q] = seq_len - emptiest(bin_tokens + q * per, per);
                     parked_push(&park, room, q);
                     continue;
                 }
@@ -197,30 +163,153 @@ static PyObject *place_plain(PyObject *Py_UNUSED(self), PyObject *args) {
             for (Py_ssize_t k = 0; k < ntied; k++) loads_push(&heap, load, tied[k]);
             break;
         }
-        if (chosen < 0) {
-            ok = 0;  /* every rank is parked: no bin can take the sample */
-            break;
-        }
+        if (chosen < 0) return 0; /* every rank is parked: no bin can take the sample */
         bin_tokens[chosen * per + chosen_slot] += t;
         rank_tokens[chosen] += t;
         load[chosen] = load[chosen] + costs[i];
         out[i] = chosen * per + chosen_slot;
         loads_push(&heap, load, chosen);
     }
+    return 1;
+}
+
+/* Phase 1 heap: (load, rank tokens, rank) ascending, as Python compares the tuples. */
+static inline int entry_less(const double *load, const int64_t *rtok, int64_t a, int64_t b) {
+    if (load[a] != load[b]) return load[a] < load[b];
+    if (rtok[a] != rtok[b]) return rtok[a] < rtok[b];
+    return a < b;
+}
+
+/*
+ * lpt_plain(costs, tokens, order, out_flat, out_sizes, num_ranks, per_rank, seq_len) -> bool
+ *
+ * The whole greedy without budgets (lpt_assign in _algorithms.py): order is the placement
+ * order (np.lexsort((-tokens, -costs))), at least num_ranks * per_rank samples long. The
+ * layout goes to (out_flat, out_sizes), bin by bin, each bin's samples in placement order.
+ * Returns False on a dead end.
+ */
+static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer cost_b, tok_b, order_b, of_b, os_b;
+    Py_ssize_t ranks, per, seq_len;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*nnn", &cost_b, &tok_b, &order_b, &of_b, &os_b,
+                          &ranks, &per, &seq_len)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    void *block = NULL;
+    Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nb = ranks * per;
+    if (per < 1 || ranks < 1 || n < nb) {
+        PyErr_SetString(PyExc_ValueError, "lpt_plain: need ranks, per_rank >= 1 and a sample per bin");
+        goto done;
+    }
+    if (check(&tok_b, "tokens", sizeof(int64_t), n) ||
+        check(&order_b, "order", sizeof(int64_t), n) ||
+        check(&of_b, "out_flat", sizeof(int64_t), n) ||
+        check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
+        goto done;
+    }
+    Py_ssize_t m = n - nb;
+    /* load, rank tokens, opened, heap (R each); bin fills, first sample (nb each); rest
+       tokens, costs, destinations (m each); 4 R of phase-2 scratch. */
+    block = malloc(sizeof(int64_t) * (size_t)(8 * ranks + 2 * nb + 3 * m + 1));
+    if (block == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const double *costs = (const double *)cost_b.buf;
+    const int64_t *tokens = (const int64_t *)tok_b.buf;
+    const int64_t *order = (const int64_t *)order_b.buf;
+    int64_t *out_flat = (int64_t *)of_b.buf, *out_sizes = (int64_t *)os_b.buf;
+    double *load = (double *)block;
+    int64_t *rtok = (int64_t *)block + ranks;
+    int64_t *opened = rtok + ranks;
+    int64_t *hids = opened + ranks;
+    int64_t *fills = hids + ranks;
+    int64_t *opener = fills + nb;
+    int64_t *rest_tok = opener + nb;
+    double *rest_cost = (double *)(rest_tok + m);
+    int64_t *dest = (int64_t *)(rest_cost + m);
+    int64_t *scratch = dest + m;
+    int ok = 1;
+
+    Py_BEGIN_ALLOW_THREADS
+    /* Phase 1: the first nb samples each open the first empty bin of the rank minimising
+       (load, rank tokens, rank); a rank with no empty bin left waits for phase 2. */
+    Py_ssize_t size = 0;
+    for (Py_ssize_t r = 0; r < ranks; r++) {
+        load[r] = 0.0;
+        rtok[r] = 0;
+        opened[r] = 0;
+        hids[size++] = r; /* equal keys: already a heap in rank order */
+    }
+    for (Py_ssize_t k = 0; k < nb; k++) {
+        int64_t r = hids[0];
+        /* pop */
+        size--;
+        if (size > 0) {
+            int64_t last = hids[size];
+            Py_ssize_t i = 0;
+            for (;;) {
+                Py_ssize_t c = 2 * i + 1;
+                if (c >= size) break;
+                if (c + 1 < size && entry_less(load, rtok, hids[c + 1], hids[c])) c++;
+                if (!entry_less(load, rtok, hids[c], last)) break;
+                hids[i] = hids[c];
+                i = c;
+            }
+            hids[i] = last;
+        }
+        int64_t i = order[k];
+        int64_t p = opened[r]++;
+        opener[r * per + p] = i;
+        fills[r * per + p] = tokens[i];
+        load[r] = load[r] + costs[i];
+        rtok[r] += tokens[i] < seq_len ? tokens[i] : seq_len;
+        if (p + 1 < per) {
+            /* push */
+            Py_ssize_t j = size++;
+            while (j > 0) {
+                Py_ssize_t parent = (j - 1) / 2;
+                if (!entry_less(load, rtok, r, hids[parent])) break;
+                hids[j] = hids[parent];
+                j = parent;
+            }
+            hids[j] = r;
+        }
+    }
+    for (Py_ssize_t k = 0; k < m; k++) {
+        int64_t i = order[nb + k];
+        rest_tok[k] = tokens[i];
+        rest_cost[k] = costs[i];
+        if (tokens[i] > seq_len) ok = 0; /* an oversized sample needs an empty bin */
+    }
+    if (ok) ok = place_core(load, rtok, fills, rest_tok, rest_cost, dest, ranks, per, m,
+                            (int64_t)seq_len, scratch);
+    if (ok) {
+        /* Bin b: its opener, then its phase-2 samples in placement order. */
+        for (Py_ssize_t b = 0; b < nb; b++) out_sizes[b] = 1;
+        for (Py_ssize_t k = 0; k < m; k++) out_sizes[dest[k]]++;
+        Py_ssize_t at = 0;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            out_flat[at] = opener[b];
+            fills[b] = at + 1; /* reuse: next free position of bin b */
+            at += out_sizes[b];
+        }
+        for (Py_ssize_t k = 0; k < m; k++) out_flat[fills[dest[k]]++] = order[nb + k];
+    }
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(ok);
 
 done:
-    free(ids);
-    PyBuffer_Release(&load_b);
-    PyBuffer_Release(&rtok_b);
-    PyBuffer_Release(&btok_b);
-    PyBuffer_Release(&tok_b);
+    free(block);
     PyBuffer_Release(&cost_b);
-    PyBuffer_Release(&out_b);
+    PyBuffer_Release(&tok_b);
+    PyBuffer_Release(&order_b);
+    PyBuffer_Release(&of_b);
+    PyBuffer_Release(&os_b);
     return result;
 }
-
 
 /* ============================================================================================
  * The default algorithm's local search (_refine._Search.run) without packing budgets.
@@ -514,7 +603,6 @@ static int bin_tokens_up(const search_t *s, int64_t i, int64_t j) {
 /* _swap */
 static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh_all,
                        const int64_t *targets, Py_ssize_t nt, double tol, change_t *best) {
-    Py_ssize_t per = s->per;
     double top = s->load[a];
     int64_t *light = s->light;
     Py_ssize_t L = 0;
@@ -549,6 +637,20 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
             }
         }
     }
+    /* Per-partner terms once per call (the numpy search computes them as whole arrays too):
+       cost, tokens, the room its bin keeps for a swapped-in sample, and its rank's margin. */
+    double *cl = s->cp;
+    int64_t *tl = s->ia, *room_y = s->ib, *tgt = s->ic;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        for (Py_ssize_t k = s->begin[t]; k < s->begin[t] + s->size[t]; k++) {
+            int64_t j = light[k];
+            int64_t yl = s->bin_of[j];
+            cl[k] = s->cost[j];
+            tl[k] = s->tok[j];
+            room_y[k] = s->bin_cnt[yl] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[yl] + tl[k];
+            tgt[k] = t;
+        }
+    }
     Py_ssize_t width = windowed ? nt * 2 * SWAP_NEIGHBOURS : L;
     double best_score = INFINITY;
     int64_t bi = -1, bj = -1;
@@ -571,6 +673,7 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
                 s->pos[t] = lo;
             }
         }
+        Py_ssize_t previous = -1;
         for (Py_ssize_t col = 0; col < width; col++) {
             Py_ssize_t k = col;
             if (windowed) {
@@ -578,20 +681,20 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
                 k = s->pos[t] + col % (2 * SWAP_NEIGHBOURS) - SWAP_NEIGHBOURS;
                 if (k < s->begin[t]) k = s->begin[t];
                 if (k > s->begin[t] + s->size[t] - 1) k = s->begin[t] + s->size[t] - 1;
+                /* A window clipped at its rank's edge repeats a partner: same score, and
+                   only the first occurrence can be the argmin. */
+                if (k == previous) continue;
+                previous = k;
             }
-            int64_t j = light[k];
-            int64_t yl = s->bin_of[j];
-            double lload = s->load[yl / per];
-            double delta = ch - s->cost[j];
+            double lload = s->load[targets[tgt[k]]];
+            double delta = ch - cl[k];
             if (!(delta > tol && delta < (top - lload) - tol)) continue;
-            int64_t tl = s->tok[j];
-            int64_t room_y = s->bin_cnt[yl] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[yl] + tl;
-            if (!(tl <= room_x && th <= room_y)) continue;
+            if (!(tl[k] <= room_x && th <= room_y[k])) continue;
             double score = dmax(top - delta, lload + delta);
             if (bi < 0 || score < best_score) {
                 best_score = score;
                 bi = i;
-                bj = j;
+                bj = light[k];
             }
         }
     }
@@ -649,6 +752,14 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
         int last = k == m - 1 || s->bin_of[light[k + 1]] != s->bin_of[light[k]];
         stop[k] = last ? k + 1 : stop[k + 1];
     }
+    /* Per-start terms once per call: the room of the start's bin and its rank's gap. */
+    int64_t *room = s->ib;
+    double *gap_of = s->key;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        int64_t yl = s->bin_of[light[k]];
+        room[k] = s->seq_len - s->bin_tok[yl];
+        gap_of[k] = top - s->load[yl / per];
+    }
     double best_score = INFINITY;
     int64_t brow = -1, bs = -1, be = -1;
     for (int pass = 0; pass < 2; pass++) {
@@ -661,8 +772,8 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
             double ch = s->cost[i];
             int64_t hi = s->bin_cnt[xh] == 1 ? s->seq_len : s->seq_len - s->bin_tok[xh] + th;
             for (Py_ssize_t k = 0; k < m; k++) {
-                int64_t yl = s->bin_of[light[k]];
-                int64_t lo = th - (s->seq_len - s->bin_tok[yl]);
+                if (stop[k] < k + 2) continue; /* a run needs two samples of k's bin */
+                int64_t lo = th - room[k];
                 int64_t base = tp[k];
                 int64_t end;
                 /* Both searches start above k (the bound is > tp[k]) and only ends up to
@@ -679,7 +790,7 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
                 if (end > m) end = m;
                 int64_t run_tok = tp[end] - base;
                 if (!(end >= k + 2 && end <= stop[k] && run_tok >= lo && run_tok <= hi)) continue;
-                double gap = top - s->load[yl / per];
+                double gap = gap_of[k];
                 double delta = ch - (cp[end] - cp[k]);
                 if (!(delta > tol && delta < gap - tol)) continue;
                 double score = dmax(top - delta, (top - gap) + delta);
@@ -949,8 +1060,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"place_plain", place_plain, METH_VARARGS,
-     "Phase 2 of the reference greedy without budgets (see _algorithms._place_plain)."},
+    {"lpt_plain", lpt_plain, METH_VARARGS,
+     "The whole reference greedy without budgets (see _algorithms.lpt_assign)."},
     {"refine_search", refine_search, METH_VARARGS,
      "The default algorithm's local search without budgets (see _refine._Search.run)."},
     {NULL, NULL, 0, NULL},
