@@ -664,7 +664,11 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
             for (Py_ssize_t t = 0; t < nt; t++) {
                 double half_gap = 0.5 * (top - s->load[targets[t]]);
                 double q = (double)t * span + dmax(ch - half_gap, 0.0);
-                Py_ssize_t lo = 0, hi = L; /* searchsorted(key, q, side="left") */
+                /* searchsorted(key, q, side="left"): keys of earlier targets are below
+                   t * span <= q and keys of later ones above (t + 1) * span > q (span is
+                   over twice any cost), so the answer lies in t's own segment or just
+                   past it, and searching there finds the same index. */
+                Py_ssize_t lo = s->begin[t], hi = s->begin[t] + s->size[t];
                 while (lo < hi) {
                     Py_ssize_t mid = lo + (hi - lo) / 2;
                     if (s->key[mid] < q) lo = mid + 1;
