@@ -385,9 +385,12 @@ def test_exchange_benchmark_quick_json(capsys: pytest.CaptureFixture[str]) -> No
     (row,) = document["results"]
     assert row["num_ranks"] == 2
     assert row["mib_per_rank"] == 1
-    for method in ("evenflow", "raw", "pickled"):
+    for method in ("evenflow", "raw", "gather_raw", "pickled"):
         assert row[f"{method}_bytes_per_s"] > 0
     assert row["vs_raw"] == pytest.approx(row["evenflow_bytes_per_s"] / row["raw_bytes_per_s"])
+    assert row["vs_gather"] == pytest.approx(
+        row["evenflow_bytes_per_s"] / row["gather_raw_bytes_per_s"]
+    )
     assert document["targets"] == []  # quick runs measure no target case
 
 

@@ -8,6 +8,11 @@ samples: 512-32k int32 tokens, as many int32 labels and a small dict each), it t
 * **raw reused**: a bare ``all_to_all_single`` moving the same number of payload bytes
   between tensors allocated once and reused every call, the floor for any design on Gloo;
 * **raw fresh**: the same with a new output tensor per call, as a user's own call would do;
+* **gather + raw**: each peer-bound token and label array copied into its place in the reused
+  send buffer, then the raw call: the least any design must do with ``all_to_all_single``,
+  which takes one contiguous buffer (the call also copies the rank's own segment, the copy a
+  non-aliasing self-send needs). ``vs gather`` shows how much of that floor evenflow's
+  framing (headers, validation, decoding, thread hop) leaves;
 * **pickled**: ``all_gather_object`` of each rank's whole outgoing dict, every rank keeping
   its share: the naive approach.
 
@@ -66,7 +71,7 @@ def _payload(
     return outgoing, per_target
 
 
-_METHODS = ("evenflow", "raw_reused", "raw_fresh", "pickled")
+_METHODS = ("evenflow", "raw_reused", "raw_fresh", "gather_raw", "pickled")
 
 
 async def _measure_size(
@@ -102,6 +107,29 @@ async def _measure_size(
         out = torch.empty(sum(split_in), dtype=torch.uint8)
         dist.all_to_all_single(out, send, split_in, per_target, group=world)
 
+    # Where each peer-bound array goes in the send buffer: target segments in rank order,
+    # each sample's tokens then labels, as _payload counted them.
+    send_bytes = send.numpy()
+    gathers: list[tuple[np.ndarray, np.ndarray]] = []
+    start = 0
+    for target in range(num_ranks):
+        offset = start
+        for _, sample in outgoing[target]:
+            for name in ("tokens", "labels"):
+                array = sample[name]
+                if target != rank:
+                    gathers.append(
+                        (send_bytes[offset : offset + array.nbytes], array.view(np.uint8))
+                    )
+                offset += array.nbytes
+        assert offset - start == per_target[target]  # the layout _payload counted
+        start += per_target[target]
+
+    async def gather_raw() -> None:
+        for place, array in gathers:
+            np.copyto(place, array)
+        dist.all_to_all_single(recv, send, split_in, per_target, group=world)
+
     async def pickled() -> None:
         # Benchmark-only baseline: it pickles data this benchmark generated itself on its
         # own ranks. evenflow never unpickles anything a peer sent.
@@ -110,7 +138,9 @@ async def _measure_size(
         mine = [item for sent in gathered for item in sent[rank]]
         del gathered, mine
 
-    methods = dict(zip(_METHODS, (evenflow, raw_reused, raw_fresh, pickled), strict=True))
+    methods = dict(
+        zip(_METHODS, (evenflow, raw_reused, raw_fresh, gather_raw, pickled), strict=True)
+    )
     rows: dict[str, list[float]] = {name: [] for name in _METHODS}
     for repeat in range(repeats + 1):  # repeat 0 warms every method up and is dropped
         # Rotate the order so that no method always runs right after the same other one.
@@ -173,6 +203,8 @@ def _summarize(
         row["raw_bytes_per_s"] = max(row["raw_reused_bytes_per_s"], row["raw_fresh_bytes_per_s"])
         row["vs_raw"] = row["evenflow_bytes_per_s"] / row["raw_bytes_per_s"]
         row["vs_pickled"] = row["evenflow_bytes_per_s"] / row["pickled_bytes_per_s"]
+        row["vs_gather"] = row["evenflow_bytes_per_s"] / row["gather_raw_bytes_per_s"]
+        row["gather_vs_raw"] = row["gather_raw_bytes_per_s"] / row["raw_bytes_per_s"]
         rows.append(row)
     return rows
 
@@ -215,11 +247,14 @@ def _print_table(rows: list[dict[str, Any]], targets: list[dict[str, Any]], repe
         "raw reused: all_to_all_single between buffers allocated once and reused; raw fresh: "
         "a new output tensor per call. 'vs raw' divides by the faster of the two. Every "
         "method moves the same payload, is timed over the same repeats and has its warm-up "
-        "dropped; evenflow's frames also carry headers ('wire +')."
+        "dropped; evenflow's frames also carry headers ('wire +'). gather + raw: peer-bound "
+        "arrays copied into the send buffer, then the raw call, the floor of any design built "
+        "on all_to_all_single ('floor' is its share of raw, 'vs gather' evenflow's share of it)."
     )
     print(
         f"{'ranks':>5} {'MiB/rank':>8} {'evenflow':>9} {'raw reused':>10} {'raw fresh':>9} "
-        f"{'pickled':>9} {'vs raw':>7} {'vs pickled':>10} {'wire +':>7}"
+        f"{'gather+raw':>10} {'pickled':>9} {'vs raw':>7} {'floor':>6} {'vs gather':>9} "
+        f"{'vs pickled':>10} {'wire +':>7}"
     )
     for row in rows:
         print(
@@ -227,7 +262,9 @@ def _print_table(rows: list[dict[str, Any]], targets: list[dict[str, Any]], repe
             f"{row['evenflow_bytes_per_s'] / 1e9:>9.2f} "
             f"{row['raw_reused_bytes_per_s'] / 1e9:>10.2f} "
             f"{row['raw_fresh_bytes_per_s'] / 1e9:>9.2f} "
+            f"{row['gather_raw_bytes_per_s'] / 1e9:>10.2f} "
             f"{row['pickled_bytes_per_s'] / 1e9:>9.2f} {row['vs_raw']:>6.0%} "
+            f"{row['gather_vs_raw']:>5.0%} {row['vs_gather']:>8.0%} "
             f"{row['vs_pickled']:>9.1f}x {row['wire_overhead']:>6.1%}"
         )
     print("Targets:")
