@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     # balancing
     "BalancingAlgorithm": "evenflow.engine._algorithms",
     "BalanceProblem": "evenflow.engine._algorithms",
+    "FlatLayout": "evenflow.engine._algorithms",
     "LPTAlgorithm": "evenflow.engine._algorithms",
     "RefineAlgorithm": "evenflow.engine._algorithms",
     "Planner": "evenflow.engine._planner",
@@ -45,6 +46,7 @@ __all__ = [
     "ComponentCost",
     "CostModel",
     "DistributedLoader",
+    "FlatLayout",
     "FlopsCost",
     "LPTAlgorithm",
     "LoaderConfig",

@@ -31,6 +31,7 @@ __all__ = [
     "ALGORITHMS",
     "BalanceProblem",
     "BalancingAlgorithm",
+    "FlatLayout",
     "LPTAlgorithm",
     "RefineAlgorithm",
     "first_infeasible_bin",
@@ -141,8 +142,54 @@ class BalanceProblem:
         return float(self.objective(self.rank_costs(bins)))
 
 
+class FlatLayout(Sequence[list[int]]):
+    """A layout held as arrays: ``flat`` (every sample index, bin after bin) and ``sizes``.
+
+    What the compiled algorithms return, and any algorithm may: the planner validates the
+    arrays directly instead of converting nested lists (~50 ms saved per 100,000 samples).
+    It is also a read-only sequence of bins (lists of indices, built on first access) that
+    compares equal to the same layout given as lists.
+    """
+
+    __slots__ = ("_bins", "flat", "sizes")
+
+    def __init__(self, flat: np.ndarray, sizes: np.ndarray) -> None:
+        self.flat = flat
+        self.sizes = sizes
+        self._bins: list[list[int]] | None = None
+
+    @property
+    def bins(self) -> list[list[int]]:
+        """The layout as lists (built once)."""
+        if self._bins is None:
+            self._bins = _split(self.flat, self.sizes)
+        return self._bins
+
+    def __len__(self) -> int:
+        return int(self.sizes.size)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.bins[index]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, FlatLayout):
+            return bool(
+                np.array_equal(self.sizes, other.sizes) and np.array_equal(self.flat, other.flat)
+            )
+        if isinstance(other, Sequence) and not isinstance(other, (str, bytes)):
+            return self.bins == [list(b) for b in other]
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"FlatLayout({self.bins!r})"
+
+
 def _flatten(bins: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """A layout as ``(flat, sizes)``: every index in bin order, and each bin's length."""
+    if isinstance(bins, FlatLayout):
+        return bins.flat, bins.sizes
     sizes = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
     flat = np.fromiter(
         itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum(dtype=np.int64))
@@ -205,12 +252,12 @@ class BalancingAlgorithm(Protocol):
     """A pluggable balancing policy.
 
     ``assign(problem)`` returns ``problem.num_bins`` rank-major bins of sample indices (every
-    index exactly once, every bin non-empty and feasible under ``problem.constraints``), or
-    ``None`` to keep the source layout. It must be deterministic (a pure function of the
-    problem), do no I/O and not mutate the problem. The planner validates the result, raising
-    ``PlanningError`` on a bad one, and applies the acceptance gate. ``algorithm_id`` is a
-    versioned identity that enters configuration fingerprints: change it whenever a change of
-    code can change a plan.
+    index exactly once, every bin non-empty and feasible under ``problem.constraints``), as
+    lists or as a :class:`FlatLayout`, or ``None`` to keep the source layout. It must be
+    deterministic (a pure function of the problem), do no I/O and not mutate the problem.
+    The planner validates the result, raising ``PlanningError`` on a bad one, and applies the
+    acceptance gate. ``algorithm_id`` is a versioned identity that enters configuration
+    fingerprints: change it whenever a change of code can change a plan.
     """
 
     name: str
@@ -390,8 +437,8 @@ def _lpt_compiled(
     return (flat, sizes) if placed else None
 
 
-def lpt_layout(problem: BalanceProblem) -> tuple[list[list[int]], np.ndarray, np.ndarray] | None:
-    """:func:`lpt_assign` with the layout also flattened (``bins, flat, sizes``), or None."""
+def lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
+    """:func:`lpt_assign` as a :class:`FlatLayout` (no lists when compiled), or None."""
     if (
         not problem.constraints.budgets
         and _native is not None
@@ -399,9 +446,13 @@ def lpt_layout(problem: BalanceProblem) -> tuple[list[list[int]], np.ndarray, np
         and problem.num_samples >= problem.num_bins
     ):
         layout = _lpt_compiled(problem, np.lexsort((-problem.tokens, -problem.costs)))
-        return None if layout is None else (_split(*layout), *layout)
+        return None if layout is None else FlatLayout(*layout)
     bins = lpt_assign(problem)
-    return None if bins is None else (bins, *_flatten(bins))
+    if bins is None:
+        return None
+    out = FlatLayout(*_flatten(bins))
+    out._bins = bins
+    return out
 
 
 def _place_plain(

@@ -209,6 +209,13 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
         check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
         goto done;
     }
+    const int64_t *order_check = (const int64_t *)order_b.buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (order_check[k] < 0 || order_check[k] >= n) {
+            PyErr_SetString(PyExc_ValueError, "lpt_plain: order holds an index outside the samples");
+            goto done;
+        }
+    }
     Py_ssize_t m = n - nb;
     /* load, rank tokens, opened, heap (R each); bin fills, first sample (nb each); rest
        tokens, costs, destinations (m each); 4 R of phase-2 scratch. */
@@ -993,16 +1000,21 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     const int64_t *flat = (const int64_t *)flat_b.buf;
     const int64_t *sizes = (const int64_t *)sizes_b.buf;
     Py_ssize_t at = 0;
-    for (Py_ssize_t b = 0; b < nb; b++) {
+    for (Py_ssize_t b = 0; b < nb && !failed; b++) {
         for (int64_t k = 0; k < sizes[b]; k++) {
-            if (at >= n || vec_push(&s.members[b], flat[at++]) < 0) {
+            if (at >= n || flat[at] < 0 || flat[at] >= n) {
                 failed = 1;
                 break;
+            }
+            if (vec_push(&s.members[b], flat[at++]) < 0) {
+                PyErr_NoMemory();
+                goto done;
             }
         }
     }
     if (failed || at != n) {
-        PyErr_SetString(PyExc_ValueError, "refine_search: flat and sizes disagree");
+        PyErr_SetString(PyExc_ValueError,
+                        "refine_search: flat must list every sample index once, as sizes say");
         goto done;
     }
 

@@ -25,6 +25,7 @@ import numpy as np
 from evenflow.engine._algorithms import (
     BalanceProblem,
     BalancingAlgorithm,
+    FlatLayout,
     _first_infeasible_flat,
     resolve_algorithm,
 )
@@ -481,7 +482,9 @@ class Planner:
                 f"Algorithm {name!r} must return num_ranks * bins_per_rank = {nb} bins "
                 f"(or None), but returned {candidate!r:.120}."
             )
-        flat_or_none = _flatten_int_lists(candidate)
+        flat_or_none = (
+            _flat_arrays(candidate) if isinstance(candidate, FlatLayout) else None
+        ) or _flatten_int_lists(candidate)
         if flat_or_none is None:
             # Slow path, also the one that names a malformed bin: one array per bin.
             arrays: list[np.ndarray] = []
@@ -539,7 +542,12 @@ class Planner:
         ends = np.cumsum(sizes)
         bin_tokens: list[int] = np.add.reduceat(problem.tokens[flat], ends - sizes).tolist()
         # Every key once, in bin order, gathered in C; each bin is then one tuple slice.
-        ordered = tuple(map(keys.__getitem__, flat.tolist()))
+        # (itemgetter builds the tuple in one call: about half the time of map at 100,000
+        # keys, whose random order makes every reference a cache miss.)
+        positions: list[int] = flat.tolist()
+        ordered = (
+            operator.itemgetter(*positions)(keys) if len(positions) > 1 else (keys[positions[0]],)
+        )
         bounds: list[int] = [0, *ends.tolist()]
         bins = [
             BinPlan(
@@ -625,6 +633,22 @@ def _lookup(table: np.ndarray, queries: np.ndarray) -> np.ndarray:
         dtype=np.int64,
         count=len(queries),
     )
+
+
+def _flat_arrays(layout: FlatLayout) -> tuple[np.ndarray, np.ndarray] | None:
+    """A ``FlatLayout``'s arrays if they are 1-D integers that agree, else None (checked
+    bin by bin by the slow path, which names the fault)."""
+    flat, sizes = np.asarray(layout.flat), np.asarray(layout.sizes)
+    if (
+        flat.ndim != 1
+        or sizes.ndim != 1
+        or flat.dtype.kind not in "iu"
+        or sizes.dtype.kind not in "iu"
+    ):
+        return None
+    if sizes.size == 0 or sizes.min() < 1 or int(sizes.sum()) != flat.size:
+        return None
+    return flat.astype(np.int64, copy=False), sizes.astype(np.int64, copy=False)
 
 
 def _flatten_int_lists(candidate: Sequence[object]) -> tuple[np.ndarray, np.ndarray] | None:

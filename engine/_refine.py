@@ -53,7 +53,7 @@ from evenflow.engine._objectives import balance
 from evenflow.engine._validate import check_optional_int
 
 if TYPE_CHECKING:
-    from evenflow.engine._algorithms import BalanceProblem
+    from evenflow.engine._algorithms import BalanceProblem, FlatLayout
 
 __all__ = ["RefineAlgorithm"]
 
@@ -106,19 +106,18 @@ class RefineAlgorithm:
     def __repr__(self) -> str:
         return f"RefineAlgorithm(max_iterations={self.max_iterations!r})"
 
-    def assign(self, problem: BalanceProblem) -> list[list[int]] | None:
-        """The refined layout, or ``None`` when nothing beats the source layout."""
-        from evenflow.engine._algorithms import _flatten, lpt_layout
+    def assign(self, problem: BalanceProblem) -> Sequence[Sequence[int]] | None:
+        """The refined layout (a ``FlatLayout``), or ``None`` when nothing beats the source."""
+        from evenflow.engine._algorithms import FlatLayout, _flatten, lpt_layout
 
         if problem.num_ranks < 2:
             return None
-        # Each layout is flattened once and scored once: at 100,000 samples a flattening
-        # pass costs ~10 ms, more than a dozen search attempts.
-        source = [list(b) for b in problem.source_bins]
-        starts = [_Layout(source, *_flatten(source))]
+        # Layouts travel as (flat, sizes) arrays, each scored once: at 100,000 samples a pass
+        # over nested lists costs ~10 ms, more than a dozen compiled search attempts.
+        starts = [FlatLayout(*_flatten(problem.source_bins))]
         lpt = lpt_layout(problem)
         if lpt is not None:
-            starts.append(_Layout(*lpt))
+            starts.append(lpt)
         if problem.bins_per_rank > 1:
             starts.append(_deal_bins(problem, starts[0]))
         scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
@@ -130,29 +129,18 @@ class RefineAlgorithm:
             searches = [_Search(problem, starts[best])]
         # Same candidates, order and strict comparison as scoring every layout afresh: the
         # searched layouts first, then LPT and the dealt bins; ties keep the earlier one.
-        candidates: list[tuple[list[list[int]], float]] = []
+        candidates: list[tuple[FlatLayout, float]] = []
         for search in searches:
             layout = search.run(budget)
             candidates.append((layout, _score_of(problem, search.rank_of())))
-        candidates.extend((s.bins, score) for s, score in zip(starts[1:], scores[1:], strict=True))
-        best_layout: list[list[int]] | None = None
+        candidates.extend(zip(starts[1:], scores[1:], strict=True))
+        best_layout: FlatLayout | None = None
         best_score = scores[0]
         for layout, score in candidates:
             if score < best_score and _budgets_hold(problem, layout):
                 # The budget replay is exact where incremental sums may round.
                 best_layout, best_score = layout, score
         return best_layout
-
-
-class _Layout:
-    """A layout as bins of sample indices plus its flattened form (see ``_flatten``)."""
-
-    __slots__ = ("bins", "flat", "sizes")
-
-    def __init__(self, bins: list[list[int]], flat: np.ndarray, sizes: np.ndarray) -> None:
-        self.bins = bins
-        self.flat = flat
-        self.sizes = sizes
 
 
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:
@@ -193,10 +181,12 @@ def _lightest(load: np.ndarray, reach: int) -> np.ndarray:
     return np.concatenate([below, tied])
 
 
-def _deal_bins(problem: BalanceProblem, source: _Layout) -> _Layout:
+def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:
     """Whole bins dealt heaviest first to the least-loaded rank that still lacks a bin."""
-    bins, flat, sizes = source.bins, source.flat, source.sizes
-    num_bins = len(bins)
+    from evenflow.engine._algorithms import FlatLayout
+
+    flat, sizes = source.flat, source.sizes
+    num_bins = sizes.size
     bin_ids = np.repeat(np.arange(num_bins, dtype=np.int64), sizes)
     bin_costs = np.bincount(bin_ids, weights=problem.costs[flat], minlength=num_bins)
     order = np.lexsort((np.arange(num_bins), -bin_costs)).tolist()
@@ -214,7 +204,7 @@ def _deal_bins(problem: BalanceProblem, source: _Layout) -> _Layout:
     position[dealt] = np.arange(num_bins, dtype=np.int64)
     # Samples keep their order within a bin; bins move as wholes.
     moved = np.argsort(position[bin_ids], kind="stable")
-    return _Layout([list(bins[b]) for b in dealt], flat[moved], sizes[dealt])
+    return FlatLayout(flat[moved], sizes[dealt])
 
 
 def _budgets_hold(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> bool:
@@ -228,7 +218,7 @@ def _budgets_hold(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> boo
 class _Search:
     """Mutable layout state plus the improvement families (see the module docstring)."""
 
-    def __init__(self, problem: BalanceProblem, start: _Layout) -> None:
+    def __init__(self, problem: BalanceProblem, start: FlatLayout) -> None:
         self.p = problem
         self.per_rank = problem.bins_per_rank
         self.seq_len = problem.constraints.seq_len
@@ -237,8 +227,11 @@ class _Search:
         self.bud = problem.budget_costs
         self.limits = np.array(list(problem.constraints.budgets.values()), dtype=np.float64)
         self.has_budgets = self.limits.size > 0
-        self.members = [list(b) for b in start.bins]
-        nb = len(start.bins)
+        self.start = start
+        # Bins as lists: the numpy search's state, built when it runs (the compiled search
+        # works on the arrays).
+        self.members: list[list[int]] = []
+        nb = len(start)
         flat = start.flat
         sizes = start.sizes.copy()
         bin_ids = np.repeat(np.arange(nb, dtype=np.int64), sizes)
@@ -265,7 +258,10 @@ class _Search:
 
     # ------------------------------------------------------------------ driver
 
-    def run(self, budget: int) -> list[list[int]]:
+    def run(self, budget: int) -> FlatLayout:
+        """Search for at most ``budget`` attempts; the layout reached."""
+        from evenflow.engine._algorithms import FlatLayout, _flatten
+
         num_ranks = self.p.num_ranks
         # No layout beats the larger of the mean rank load and the costliest sample; within
         # _NEAR_OPTIMAL of it the remaining gain is not worth the planning time.
@@ -274,6 +270,8 @@ class _Search:
         core = _compiled_core()
         if core is not None and not self.has_budgets:
             return self._run_compiled(core, budget, good_enough)
+        if not self.members:
+            self.members = [list(b) for b in self.start.bins]
         stuck = np.zeros(num_ranks, dtype=bool)
         masked = np.empty(num_ranks, dtype=np.float64)
         for _ in range(budget):
@@ -290,20 +288,21 @@ class _Search:
                 stuck[a] = True
             else:
                 stuck[a] = stuck[partner] = False
-        return self.members
+        layout = FlatLayout(*_flatten(self.members))
+        layout._bins = self.members
+        return layout
 
-    def _run_compiled(self, core: Any, budget: int, good_enough: float) -> list[list[int]]:
+    def _run_compiled(self, core: Any, budget: int, good_enough: float) -> FlatLayout:
         """:meth:`run` by the compiled search: same steps, same layout, far fewer cycles."""
-        from evenflow.engine._algorithms import _flatten, _split
+        from evenflow.engine._algorithms import FlatLayout
 
-        flat, sizes = _flatten(self.members)
-        out_flat = np.empty_like(flat)
-        out_sizes = np.empty_like(sizes)
+        out_flat = np.empty_like(self.start.flat)
+        out_sizes = np.empty_like(self.start.sizes)
         core.refine_search(
             np.ascontiguousarray(self.cost),
             np.ascontiguousarray(self.tok),
-            flat,
-            sizes,
+            np.ascontiguousarray(self.start.flat, dtype=np.int64),
+            np.ascontiguousarray(self.start.sizes, dtype=np.int64),
             self.bin_of,
             self.bin_cnt,
             self.bin_tok,
@@ -317,10 +316,11 @@ class _Search:
             good_enough,
             self.sumsq_mode,
         )
-        self.members = _split(out_flat, out_sizes)
+        layout = FlatLayout(out_flat, out_sizes)
+        self.members = []  # the lists no longer describe the layout
         self._rank_cache.clear()
         self._sorted_cache.clear()
-        return self.members
+        return layout
 
     def _improve(self, a: int) -> int:
         """Apply the best improving change between rank ``a`` and a lighter rank."""

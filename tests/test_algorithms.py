@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from evenflow.engine import _algorithms
 from evenflow.engine._algorithms import (
     BalanceProblem,
+    FlatLayout,
     LPTAlgorithm,
     RefineAlgorithm,
     _flatten,
@@ -24,7 +25,7 @@ from evenflow.engine._algorithms import (
 )
 from evenflow.engine._model import PackingConstraints, SampleKey
 from evenflow.engine._objectives import balance, makespan, objective_name, resolve_objective
-from evenflow.engine._refine import _Layout, _Search
+from evenflow.engine._refine import _Search
 from evenflow.engine.errors import ConfigError
 
 # ---------------------------------------------------------------------------- helpers
@@ -507,7 +508,7 @@ def test_lpt_matches_the_reference_with_many_tied_loads(seed: int) -> None:
 
 def _search_from_source(problem: BalanceProblem) -> _Search:
     source = [list(b) for b in problem.source_bins]
-    return _Search(problem, _Layout(source, *_flatten(source)))
+    return _Search(problem, FlatLayout(*_flatten(source)))
 
 
 @pytest.mark.parametrize("core", CORES)
@@ -619,3 +620,54 @@ def test_compiled_search_matches_on_many_ranks() -> None:
     problem = make_problem(bins, num_ranks=48, seq_len=40, costs=costs)
     expected, got = _assign_both(problem, max_iterations=200)
     assert got == expected
+
+
+@NEEDS_CORE
+def test_compiled_core_rejects_inconsistent_arrays() -> None:
+    # The compiled entry points index arrays with the values they are given: bad input must
+    # be a ValueError, never a read outside the arrays.
+    core = _algorithms._native
+    costs = np.ones(4)
+    tokens = np.ones(4, dtype=np.int64)
+    flat, sizes = np.empty(4, dtype=np.int64), np.empty(2, dtype=np.int64)
+    with pytest.raises(ValueError, match="order"):
+        core.lpt_plain(costs, tokens, np.array([0, 1, 2, 9]), flat, sizes, 2, 1, 10)
+    with pytest.raises(ValueError, match="order has"):
+        core.lpt_plain(costs, tokens, np.array([0, 1]), flat, sizes, 2, 1, 10)
+    state = [
+        np.zeros(4, dtype=np.int64),  # bin_of
+        np.array([2, 2]),  # bin_cnt
+        np.array([2, 2]),  # bin_tok
+        np.array([2.0, 2.0]),  # bin_cost
+        np.array([2.0, 2.0]),  # load
+    ]
+    with pytest.raises(ValueError, match="every sample index once"):
+        core.refine_search(
+            costs,
+            tokens,
+            np.array([0, 1, 2, 7]),
+            np.array([2, 2]),
+            *state,
+            flat,
+            sizes,
+            1,
+            10,
+            5,
+            0.0,
+            False,
+        )
+    with pytest.raises(ValueError, match="every sample index once"):
+        core.refine_search(
+            costs,
+            tokens,
+            np.array([0, 1, 2, 3]),
+            np.array([3, 3]),
+            *state,
+            flat,
+            sizes,
+            1,
+            10,
+            5,
+            0.0,
+            False,
+        )
