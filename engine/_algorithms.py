@@ -14,6 +14,7 @@ algorithm, :class:`~evenflow.engine._refine.RefineAlgorithm`, lives in its own m
 from __future__ import annotations
 
 import heapq
+import importlib
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -41,11 +42,16 @@ __all__ = [
 
 RankCostFn = Callable[[np.ndarray], np.ndarray]
 
-_native: Any
-try:  # the compiled inner loop of the greedy; optional (see pyproject.toml)
-    from evenflow.engine import _native
-except ImportError:  # pragma: no cover - depends on how the package was built
-    _native = None
+
+def _load_native() -> Any:
+    """The compiled inner loops (``evenflow.engine._native``), or None when not built."""
+    try:  # optional: see pyproject.toml
+        return importlib.import_module("evenflow.engine._native")
+    except ImportError:  # pragma: no cover - depends on how the package was built
+        return None
+
+
+_native: Any = _load_native()
 # Tests switch this off to run the pure-Python specification on the same problems.
 _use_native = True
 

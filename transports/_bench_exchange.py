@@ -111,9 +111,9 @@ async def _measure_size(
     # each sample's tokens then labels, as _payload counted them.
     send_bytes = send.numpy()
     gathers: list[tuple[np.ndarray, np.ndarray]] = []
-    start = 0
+    segment = 0
     for target in range(num_ranks):
-        offset = start
+        offset = segment
         for _, sample in outgoing[target]:
             for name in ("tokens", "labels"):
                 array = sample[name]
@@ -122,8 +122,8 @@ async def _measure_size(
                         (send_bytes[offset : offset + array.nbytes], array.view(np.uint8))
                     )
                 offset += array.nbytes
-        assert offset - start == per_target[target]  # the layout _payload counted
-        start += per_target[target]
+        assert offset - segment == per_target[target]  # the layout _payload counted
+        segment += per_target[target]
 
     async def gather_raw() -> None:
         for place, array in gathers:
