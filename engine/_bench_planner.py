@@ -561,11 +561,20 @@ def _fmt(q: dict[str, float | None], *names: str, digits: int = 2) -> str:
     return "/".join("-" if q[n] is None else f"{q[n]:.{digits}f}" for n in names)
 
 
+def _core_name() -> str:
+    """Which implementation of the greedy and the search the timings measure."""
+    from evenflow.engine import _algorithms
+
+    if _algorithms._native is None:
+        return "python (the compiled extension is not built)"
+    return "compiled" if _algorithms._use_native else "python (compiled core switched off)"
+
+
 def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
     cfg = doc["config"]
     print(
         f"evenflow planner benchmark: ranks {cfg['ranks']}, bins {cfg['bins']}, "
-        f"cost a*L+L^2 with a in {cfg['linear']}, seed {cfg['seed']}"
+        f"cost a*L+L^2 with a in {cfg['linear']}, seed {cfg['seed']}, core {cfg['core']}"
     )
     for skip in doc["skipped"]:
         what = f"{skip['num_ranks']} ranks x {skip['bins_per_rank']} bins"
@@ -703,6 +712,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
             "seed": args.seed,
             "quick": args.quick,
             "algorithms": list(ALGORITHMS),
+            "core": _core_name(),
         },
         "skipped": skipped,
         "cases": [_case_json(c) for c in cases],

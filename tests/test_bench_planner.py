@@ -35,6 +35,7 @@ def test_quick_json_run_reports_every_field(capsys: pytest.CaptureFixture[str]) 
     doc = json.loads(out)
     assert doc["benchmark"] == "planner"
     assert doc["ok"] is True
+    assert doc["config"]["core"] == _bench_planner._core_name()
     checks = doc["checks"]
     assert checks["violations"] == 0
     assert checks["num_steps"] == len(doc["cases"]) * 2
@@ -192,3 +193,16 @@ def test_exact_solver_pairs_single_sample_bins() -> None:
     optimum, proven = _solve_exact([9] * 8, [4.0, 3.0, 3.0, 2.0, 2.0, 2.0, 1.0, 1.0], 10)
     assert proven
     assert optimum == pytest.approx(5.0)
+
+
+def test_core_name_says_which_implementation_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from evenflow.engine import _algorithms
+
+    monkeypatch.setattr(_algorithms, "_use_native", False)
+    expected_off = "python" if _algorithms._native is None else "python (compiled core"
+    assert _bench_planner._core_name().startswith(expected_off)
+    monkeypatch.setattr(_algorithms, "_use_native", True)
+    if _algorithms._native is not None:
+        assert _bench_planner._core_name() == "compiled"
+    monkeypatch.setattr(_algorithms, "_native", None)
+    assert _bench_planner._core_name() == "python (the compiled extension is not built)"
