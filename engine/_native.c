@@ -198,11 +198,12 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *result = NULL;
     void *block = NULL;
     Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
-    Py_ssize_t nb = ranks * per;
-    if (per < 1 || ranks < 1 || n < nb) {
+    /* ranks * per is checked before it is formed: a wrapped product would pass n >= nb. */
+    if (per < 1 || ranks < 1 || per > PY_SSIZE_T_MAX / ranks || n < ranks * per) {
         PyErr_SetString(PyExc_ValueError, "lpt_plain: need ranks, per_rank >= 1 and a sample per bin");
         goto done;
     }
+    Py_ssize_t nb = ranks * per;
     if (check(&tok_b, "tokens", sizeof(int64_t), n) ||
         check(&order_b, "order", sizeof(int64_t), n) ||
         check(&of_b, "out_flat", sizeof(int64_t), n) ||
@@ -405,8 +406,11 @@ static Py_ssize_t rank_samples(const search_t *s, int64_t r, int64_t *out) {
 }
 
 static int relocate(search_t *s, int64_t i, int64_t src, int64_t dst) {
-    vec_remove(&s->members[src], i);
+    /* Room first: a failed allocation must leave the sample where bin_of says it is. */
     if (vec_push(&s->members[dst], i) < 0) return -1;
+    s->members[dst].n--;
+    vec_remove(&s->members[src], i);
+    s->members[dst].v[s->members[dst].n++] = i;
     s->bin_of[i] = dst;
     int64_t t = s->tok[i];
     double c = s->cost[i];
@@ -692,6 +696,8 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
                 k = s->pos[t] + col % (2 * SWAP_NEIGHBOURS) - SWAP_NEIGHBOURS;
                 if (k < s->begin[t]) k = s->begin[t];
                 if (k > s->begin[t] + s->size[t] - 1) k = s->begin[t] + s->size[t] - 1;
+                /* Only a target without samples gets here: numpy's index -1 is the last. */
+                if (k < 0) k = L - 1;
                 /* A window clipped at its rank's edge repeats a partner: same score, and
                    only the first occurrence can be the argmin. */
                 if (k == previous) continue;
@@ -945,7 +951,7 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t ranks = load_b.len / (Py_ssize_t)sizeof(double);
     Py_ssize_t attempts = 0;
     int failed = 0;
-    if (per < 1 || ranks < 1 || nb != ranks * per) {
+    if (per < 1 || ranks < 1 || nb % per != 0 || nb / per != ranks) {
         PyErr_SetString(PyExc_ValueError, "refine_search: inconsistent ranks and bins");
         goto done;
     }
@@ -1000,21 +1006,40 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     const int64_t *flat = (const int64_t *)flat_b.buf;
     const int64_t *sizes = (const int64_t *)sizes_b.buf;
     Py_ssize_t at = 0;
+    /* Every index below is trusted by the search, so the state must agree with itself:
+       flat lists each sample once, bin by bin as sizes say, and bin_of and bin_cnt describe
+       the same layout. Then the bins always hold exactly n samples and every scratch array
+       of n entries is large enough. */
+    unsigned char *seen = (unsigned char *)calloc((size_t)(n > 0 ? n : 1), 1);
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
     for (Py_ssize_t b = 0; b < nb && !failed; b++) {
+        if (sizes[b] < 0 || s.bin_cnt[b] != sizes[b]) {
+            failed = 1;
+            break;
+        }
         for (int64_t k = 0; k < sizes[b]; k++) {
-            if (at >= n || flat[at] < 0 || flat[at] >= n) {
+            int64_t i = at < n ? flat[at] : -1;
+            if (i < 0 || i >= n || seen[i] || s.bin_of[i] != b) {
                 failed = 1;
                 break;
             }
-            if (vec_push(&s.members[b], flat[at++]) < 0) {
+            seen[i] = 1;
+            at++;
+            if (vec_push(&s.members[b], i) < 0) {
+                free(seen);
                 PyErr_NoMemory();
                 goto done;
             }
         }
     }
+    free(seen);
     if (failed || at != n) {
         PyErr_SetString(PyExc_ValueError,
-                        "refine_search: flat must list every sample index once, as sizes say");
+                        "refine_search: flat must list every sample index once, as sizes say, "
+                        "and bin_of and bin_cnt must describe the same layout");
         goto done;
     }
 

@@ -671,3 +671,65 @@ def test_compiled_core_rejects_inconsistent_arrays() -> None:
             0.0,
             False,
         )
+    # bin_of must describe the same layout as (flat, sizes): a sample listed in bin 0 but
+    # recorded in bin 1 would be removed from the wrong bin and overrun the output.
+    wrong_bins = [np.array([1, 1, 0, 0]), *state[1:]]
+    with pytest.raises(ValueError, match="same layout"):
+        core.refine_search(
+            costs,
+            tokens,
+            np.array([0, 1, 2, 3]),
+            np.array([2, 2]),
+            *wrong_bins,
+            flat,
+            sizes,
+            1,
+            10,
+            50,
+            0.0,
+            True,
+        )
+    # Sample 0 twice (and 3 never).
+    with pytest.raises(ValueError, match="every sample index once"):
+        core.refine_search(
+            costs,
+            tokens,
+            np.array([0, 0, 1, 2]),
+            np.array([2, 2]),
+            *state,
+            flat,
+            sizes,
+            1,
+            10,
+            5,
+            0.0,
+            False,
+        )
+    # ranks * per_rank must not wrap around.
+    with pytest.raises(ValueError, match="a sample per bin"):
+        core.lpt_plain(
+            np.ones(0),
+            np.ones(0, dtype=np.int64),
+            np.ones(0, dtype=np.int64),
+            np.empty(0, dtype=np.int64),
+            np.empty(0, dtype=np.int64),
+            2**61,
+            8,
+            10,
+        )
+    with pytest.raises(ValueError, match="inconsistent ranks and bins"):
+        core.refine_search(
+            costs,
+            tokens,
+            np.array([0, 1, 2, 3]),
+            np.array([2, 2]),
+            *state[:4],
+            np.zeros(4),
+            flat,
+            sizes,
+            2**62,
+            10,
+            5,
+            0.0,
+            False,
+        )
