@@ -29,11 +29,15 @@ never dead-ends and is never worse than either of them:
    rank cost is not a sum).
 
 Budget: the search stops after ``max_iterations`` improvement attempts (by default
-proportional to the number of samples, so it stays within a small multiple of LPT's time)
-or when the most loaded rank admits no improving change (``makespan``) / no rank does
-(``balance``). Candidates are evaluated in bulk with numpy; the
-per-iteration cost is a few dozen array operations over one rank's samples and the lightest
-ranks' bins. Deterministic: no randomness, ties go to the lowest index.
+proportional to the number of samples) or when the most loaded rank admits no improving
+change (``makespan``) / no rank does (``balance``). Deterministic: no randomness, ties go to
+the lowest index, and the budget counts attempts, never time.
+
+Two implementations, one result: this module evaluates candidates in bulk with numpy (a few
+dozen array operations per attempt) and is the specification; ``evenflow.engine._native``
+runs the same search compiled, candidate for candidate, when the extension is built and the
+step has no packing budgets (see :meth:`_Search.run`). Tests hold the two to identical
+layouts.
 
 Limits: moves are between two ranks at a time (no ejection chains), runs in one-for-many
 exchanges are contiguous in token order within a bin, and the search optimises the sum of
