@@ -56,6 +56,11 @@ _native: Any = _load_native()
 _use_native = True
 
 
+def _compiled() -> Any:
+    """The compiled core when it is built and switched on, else None."""
+    return _native if _use_native else None
+
+
 @dataclass(frozen=True, eq=False)
 class BalanceProblem:
     """One step of one balance group, in canonical order (built by the planner).
@@ -163,6 +168,13 @@ class FlatLayout(Sequence[list[int]]):
         self.flat = flat
         self.sizes = sizes
         self._bins: list[list[int]] | None = None
+
+    @classmethod
+    def of_bins(cls, bins: list[list[int]]) -> FlatLayout:
+        """The layout of ``bins``, keeping the lists themselves as :attr:`bins`."""
+        layout = cls(*_flatten(bins))
+        layout._bins = bins
+        return layout
 
     @property
     def bins(self) -> list[list[int]]:
@@ -280,21 +292,33 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     bin minimising (rank load, capacity left after insertion, rank tokens, rank, bin). Rank
     tokens add ``min(tokens, seq_len)``. Loads are Python floats summed in the same order as
     the reference, so ties resolve identically. Steps without packing budgets run compiled
-    (``evenflow.engine._native``, ~50 ns per sample) when the extension is built; the Python
-    below is its specification (phase 2 by :func:`_place_plain`, 1-2 us per sample). Steps
-    with budgets use a heap of ``(load, tokens, rank)`` tuples and check budgets per bin.
+    (``evenflow.engine._native``, ~50 ns per sample) when the extension is built;
+    :func:`_lpt_python` is its specification (phase 2 by :func:`_place_plain`, 1-2 us per
+    sample). Steps with budgets use a heap of ``(load, tokens, rank)`` tuples and check
+    budgets per bin.
     """
+    layout = lpt_layout(problem)
+    return None if layout is None else layout.bins
+
+
+def lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
+    """:func:`lpt_assign` as a :class:`FlatLayout` (no lists when compiled), or None."""
+    if problem.num_samples < problem.num_bins:
+        return None
+    order = np.lexsort((-problem.tokens, -problem.costs))
+    core = _compiled()
+    if core is not None and not problem.constraints.budgets:
+        return _lpt_compiled(core, problem, order)
+    bins = _lpt_python(problem, order)
+    return None if bins is None else FlatLayout.of_bins(bins)
+
+
+def _lpt_python(problem: BalanceProblem, order_array: np.ndarray) -> list[list[int]] | None:
+    """:func:`lpt_assign` in Python (the specification), given the placement order."""
     num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
     num_bins = num_ranks * per_rank
     seq_len = problem.constraints.seq_len
-    n = problem.num_samples
-    if n < num_bins:
-        return None
-    order_array = np.lexsort((-problem.tokens, -problem.costs))
-    if not problem.constraints.budgets and _native is not None and _use_native:
-        layout = _lpt_compiled(problem, order_array)
-        return None if layout is None else _split(*layout)
-    # Phase 1 reads its own samples only; phase 2 takes arrays (compiled) or its own lists.
+    # Phase 1 reads its own samples only; phase 2 takes its own lists.
     opening = order_array[:num_bins]
     order: list[int] = opening.tolist()
     costs = dict(zip(order, problem.costs[opening].tolist(), strict=True))
@@ -419,18 +443,15 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     return bins
 
 
-def _lpt_compiled(
-    problem: BalanceProblem, order: np.ndarray
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """The whole greedy without budgets, compiled: the layout as ``(flat, sizes)`` or None.
+def _lpt_compiled(core: Any, problem: BalanceProblem, order: np.ndarray) -> FlatLayout | None:
+    """The whole greedy without budgets, compiled, or None on a dead end.
 
-    Same rule and float sums as the Python code of :func:`lpt_assign` (phase 1 included),
-    so the same layout; the arrays feed the default algorithm without re-flattening.
+    Same rule and float sums as :func:`_lpt_python` (phase 1 included), so the same layout;
+    the arrays feed the default algorithm without re-flattening.
     """
-    assert _native is not None
     flat = np.empty(problem.num_samples, dtype=np.int64)
     sizes = np.empty(problem.num_bins, dtype=np.int64)
-    placed = _native.lpt_plain(
+    placed = core.lpt_plain(
         np.ascontiguousarray(problem.costs),
         np.ascontiguousarray(problem.tokens),
         np.ascontiguousarray(order, dtype=np.int64),
@@ -440,25 +461,7 @@ def _lpt_compiled(
         problem.bins_per_rank,
         problem.constraints.seq_len,
     )
-    return (flat, sizes) if placed else None
-
-
-def lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
-    """:func:`lpt_assign` as a :class:`FlatLayout` (no lists when compiled), or None."""
-    if (
-        not problem.constraints.budgets
-        and _native is not None
-        and _use_native
-        and problem.num_samples >= problem.num_bins
-    ):
-        layout = _lpt_compiled(problem, np.lexsort((-problem.tokens, -problem.costs)))
-        return None if layout is None else FlatLayout(*layout)
-    bins = lpt_assign(problem)
-    if bins is None:
-        return None
-    out = FlatLayout(*_flatten(bins))
-    out._bins = bins
-    return out
+    return FlatLayout(flat, sizes) if placed else None
 
 
 def _place_plain(

@@ -166,13 +166,6 @@ def _default_budget(problem: BalanceProblem) -> int:
     return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
 
 
-def _compiled_core() -> Any:
-    """The compiled search (``evenflow.engine._native``) when built and enabled, else None."""
-    from evenflow.engine import _algorithms
-
-    return _algorithms._native if _algorithms._use_native else None
-
-
 def _lightest(load: np.ndarray, reach: int) -> np.ndarray:
     """The ``reach`` ranks first by (load, rank), in linear time (``reach < load.size``).
 
@@ -264,14 +257,15 @@ class _Search:
 
     def run(self, budget: int) -> FlatLayout:
         """Search for at most ``budget`` attempts; the layout reached."""
-        from evenflow.engine._algorithms import FlatLayout, _flatten
+        from evenflow.engine import _algorithms
+        from evenflow.engine._algorithms import FlatLayout
 
         num_ranks = self.p.num_ranks
         # No layout beats the larger of the mean rank load and the costliest sample; within
         # _NEAR_OPTIMAL of it the remaining gain is not worth the planning time.
         bound = max(float(self.load.sum()) / num_ranks, float(self.cost.max(initial=0.0)))
         good_enough = bound * (1.0 + _NEAR_OPTIMAL)
-        core = _compiled_core()
+        core = _algorithms._compiled()
         if core is not None and not self.has_budgets:
             return self._run_compiled(core, budget, good_enough)
         if not self.members:
@@ -292,9 +286,7 @@ class _Search:
                 stuck[a] = True
             else:
                 stuck[a] = stuck[partner] = False
-        layout = FlatLayout(*_flatten(self.members))
-        layout._bins = self.members
-        return layout
+        return FlatLayout.of_bins(self.members)
 
     def _run_compiled(self, core: Any, budget: int, good_enough: float) -> FlatLayout:
         """:meth:`run` by the compiled search: same steps, same layout, far fewer cycles."""
