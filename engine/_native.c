@@ -73,6 +73,20 @@ static inline int room_less(const int64_t *room, int64_t a, int64_t b) {
 DEFINE_HEAP(loads, double, load_less)
 DEFINE_HEAP(parked, int64_t, room_less)
 
+/* Phase-1 heap: (load, rank tokens, rank) ascending, as Python compares the tuples. */
+typedef struct {
+    const double *load;
+    const int64_t *rtok;
+} opening_t;
+
+static inline int opening_less(const opening_t *key, int64_t a, int64_t b) {
+    if (key->load[a] != key->load[b]) return key->load[a] < key->load[b];
+    if (key->rtok[a] != key->rtok[b]) return key->rtok[a] < key->rtok[b];
+    return a < b;
+}
+
+DEFINE_HEAP(openings, opening_t, opening_less)
+
 /* Fullest bin of rank r that can take `limit`-bounded fill (first on ties), or -1. */
 static inline Py_ssize_t best_slot(const int64_t *fills, Py_ssize_t per, int64_t limit) {
     int64_t fill = -1;
@@ -173,13 +187,6 @@ static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
     return 1;
 }
 
-/* Phase 1 heap: (load, rank tokens, rank) ascending, as Python compares the tuples. */
-static inline int entry_less(const double *load, const int64_t *rtok, int64_t a, int64_t b) {
-    if (load[a] != load[b]) return load[a] < load[b];
-    if (rtok[a] != rtok[b]) return rtok[a] < rtok[b];
-    return a < b;
-}
-
 /*
  * lpt_plain(costs, tokens, order, out_flat, out_sizes, num_ranks, per_rank, seq_len) -> bool
  *
@@ -244,47 +251,23 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     /* Phase 1: the first nb samples each open the first empty bin of the rank minimising
        (load, rank tokens, rank); a rank with no empty bin left waits for phase 2. */
-    Py_ssize_t size = 0;
+    heap_t heap = {hids, 0};
+    const opening_t key = {load, rtok};
     for (Py_ssize_t r = 0; r < ranks; r++) {
         load[r] = 0.0;
         rtok[r] = 0;
         opened[r] = 0;
-        hids[size++] = r; /* equal keys: already a heap in rank order */
+        heap.ids[heap.size++] = r; /* equal keys: already a heap in rank order */
     }
     for (Py_ssize_t k = 0; k < nb; k++) {
-        int64_t r = hids[0];
-        /* pop */
-        size--;
-        if (size > 0) {
-            int64_t last = hids[size];
-            Py_ssize_t i = 0;
-            for (;;) {
-                Py_ssize_t c = 2 * i + 1;
-                if (c >= size) break;
-                if (c + 1 < size && entry_less(load, rtok, hids[c + 1], hids[c])) c++;
-                if (!entry_less(load, rtok, hids[c], last)) break;
-                hids[i] = hids[c];
-                i = c;
-            }
-            hids[i] = last;
-        }
+        int64_t r = openings_pop(&heap, &key);
         int64_t i = order[k];
         int64_t p = opened[r]++;
         opener[r * per + p] = i;
         fills[r * per + p] = tokens[i];
         load[r] = load[r] + costs[i];
         rtok[r] += tokens[i] < seq_len ? tokens[i] : seq_len;
-        if (p + 1 < per) {
-            /* push */
-            Py_ssize_t j = size++;
-            while (j > 0) {
-                Py_ssize_t parent = (j - 1) / 2;
-                if (!entry_less(load, rtok, r, hids[parent])) break;
-                hids[j] = hids[parent];
-                j = parent;
-            }
-            hids[j] = r;
-        }
+        if (p + 1 < per) openings_push(&heap, &key, r);
     }
     for (Py_ssize_t k = 0; k < m; k++) {
         int64_t i = order[nb + k];
