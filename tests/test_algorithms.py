@@ -634,102 +634,48 @@ def test_compiled_core_rejects_inconsistent_arrays() -> None:
         core.lpt_plain(costs, tokens, np.array([0, 1, 2, 9]), flat, sizes, 2, 1, 10)
     with pytest.raises(ValueError, match="order has"):
         core.lpt_plain(costs, tokens, np.array([0, 1]), flat, sizes, 2, 1, 10)
+    # A consistent state: samples 0, 1 in bin 0 and 2, 3 in bin 1 (two ranks of one bin).
     state = [
-        np.zeros(4, dtype=np.int64),  # bin_of
+        np.array([0, 0, 1, 1]),  # bin_of
         np.array([2, 2]),  # bin_cnt
         np.array([2, 2]),  # bin_tok
         np.array([2.0, 2.0]),  # bin_cost
         np.array([2.0, 2.0]),  # load
     ]
-    with pytest.raises(ValueError, match="every sample index once"):
-        core.refine_search(
-            costs,
-            tokens,
-            np.array([0, 1, 2, 7]),
-            np.array([2, 2]),
-            *state,
-            flat,
-            sizes,
-            1,
-            10,
-            5,
-            0.0,
-            False,
+
+    def search(order: list[int], bins: list[int], *given: np.ndarray, per_rank: int = 1) -> int:
+        arrays = [array.copy() for array in given or state]  # the search writes its state
+        return int(
+            core.refine_search(
+                costs,
+                tokens,
+                np.array(order),
+                np.array(bins),
+                *arrays,
+                flat,
+                sizes,
+                per_rank,
+                10,
+                5,
+                0.0,
+                False,
+            )
         )
+
+    assert search([0, 1, 2, 3], [2, 2]) >= 0  # the state is valid: each case breaks one thing
     with pytest.raises(ValueError, match="every sample index once"):
-        core.refine_search(
-            costs,
-            tokens,
-            np.array([0, 1, 2, 3]),
-            np.array([3, 3]),
-            *state,
-            flat,
-            sizes,
-            1,
-            10,
-            5,
-            0.0,
-            False,
-        )
+        search([0, 1, 2, 7], [2, 2])  # an index past the samples
+    with pytest.raises(ValueError, match="every sample index once"):
+        search([0, 1, 2, 3], [3, 3])  # sizes that list more samples than there are
     # bin_of must describe the same layout as (flat, sizes): a sample listed in bin 0 but
     # recorded in bin 1 would be removed from the wrong bin and overrun the output.
-    wrong_bins = [np.array([1, 1, 0, 0]), *state[1:]]
     with pytest.raises(ValueError, match="same layout"):
-        core.refine_search(
-            costs,
-            tokens,
-            np.array([0, 1, 2, 3]),
-            np.array([2, 2]),
-            *wrong_bins,
-            flat,
-            sizes,
-            1,
-            10,
-            50,
-            0.0,
-            True,
-        )
-    # Sample 0 twice (and 3 never).
+        search([0, 1, 2, 3], [2, 2], np.array([1, 1, 0, 0]), *state[1:])
     with pytest.raises(ValueError, match="every sample index once"):
-        core.refine_search(
-            costs,
-            tokens,
-            np.array([0, 0, 1, 2]),
-            np.array([2, 2]),
-            *state,
-            flat,
-            sizes,
-            1,
-            10,
-            5,
-            0.0,
-            False,
-        )
+        search([0, 0, 1, 2], [2, 2])  # sample 0 twice, 3 never
     # ranks * per_rank must not wrap around.
+    empty = np.empty(0, dtype=np.int64)
     with pytest.raises(ValueError, match="a sample per bin"):
-        core.lpt_plain(
-            np.ones(0),
-            np.ones(0, dtype=np.int64),
-            np.ones(0, dtype=np.int64),
-            np.empty(0, dtype=np.int64),
-            np.empty(0, dtype=np.int64),
-            2**61,
-            8,
-            10,
-        )
+        core.lpt_plain(np.ones(0), empty, empty, empty, empty, 2**61, 8, 10)
     with pytest.raises(ValueError, match="inconsistent ranks and bins"):
-        core.refine_search(
-            costs,
-            tokens,
-            np.array([0, 1, 2, 3]),
-            np.array([2, 2]),
-            *state[:4],
-            np.zeros(4),
-            flat,
-            sizes,
-            2**62,
-            10,
-            5,
-            0.0,
-            False,
-        )
+        search([0, 1, 2, 3], [2, 2], *state[:4], np.zeros(4), per_rank=2**62)
