@@ -672,7 +672,7 @@ def test_compiled_core_rejects_inconsistent_arrays() -> None:
     with pytest.raises(ValueError, match="same layout"):
         search([0, 1, 2, 3], [2, 2], np.array([1, 1, 0, 0]), *state[1:])
     with pytest.raises(ValueError, match="every sample index once"):
-        search([0, 0, 1, 2], [2, 2])  # sample 0 twice, 3 never
+        search([0, 0, 2, 3], [2, 2])  # sample 0 twice, 1 never
     # ranks * per_rank must not wrap around.
     empty = np.empty(0, dtype=np.int64)
     with pytest.raises(ValueError, match="a sample per bin"):
