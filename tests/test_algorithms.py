@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evenflow.engine import _algorithms
-from evenflow.engine._algorithms import (
+from evenflow.engine._model import PackingConstraints, SampleKey
+from evenflow.engine._planning import algorithms as _algorithms
+from evenflow.engine._planning.algorithms import (
     BalanceProblem,
     FlatLayout,
     LPTAlgorithm,
@@ -23,9 +24,13 @@ from evenflow.engine._algorithms import (
     lpt_assign,
     resolve_algorithm,
 )
-from evenflow.engine._model import PackingConstraints, SampleKey
-from evenflow.engine._objectives import balance, makespan, objective_name, resolve_objective
-from evenflow.engine._refine import _Search
+from evenflow.engine._planning.objectives import (
+    balance,
+    makespan,
+    objective_name,
+    resolve_objective,
+)
+from evenflow.engine._planning.refine import _Search
 from evenflow.engine.errors import ConfigError
 
 # ---------------------------------------------------------------------------- helpers
@@ -336,7 +341,9 @@ def test_compiled_greedy_is_built_where_required() -> None:
     # behind the pure-Python fallback.
     if os.environ.get("EVENFLOW_REQUIRE_NATIVE") != "1":
         pytest.skip("EVENFLOW_REQUIRE_NATIVE is not set")
-    assert _algorithms._native is not None, "evenflow.engine._native failed to build or import"
+    assert _algorithms._native is not None, (
+        "evenflow.engine._planning._native failed to build or import"
+    )
 
 
 def test_lpt_balances_18_2_into_10_10() -> None:
@@ -470,7 +477,7 @@ def test_refine_with_a_zero_budget_stays_at_the_best_start() -> None:
 
 
 def test_refine_budget_grows_with_the_step_within_its_bounds() -> None:
-    from evenflow.engine._refine import _default_budget
+    from evenflow.engine._planning.refine import _default_budget
 
     def sized(num_samples: int) -> BalanceProblem:
         per_bin = num_samples // 8

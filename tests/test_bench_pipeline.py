@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evenflow.engine._bench_pipeline import main
+from evenflow.engine._tools.bench.pipeline import main
 
 
 def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from evenflow.engine import _bench_planner
-from evenflow.engine._bench_planner import _run_exact, _solve_exact, main
+from evenflow.engine._tools.bench import planner as _bench_planner
+from evenflow.engine._tools.bench.planner import _run_exact, _solve_exact, main
 
 try:
     import scipy.optimize  # noqa: F401
@@ -118,7 +118,7 @@ def test_bad_arguments_exit_2(
 def test_invariant_violation_exits_1(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from evenflow.engine import _planner
+    from evenflow.engine._planning import planner as _planner
 
     real = _planner.Planner
 
@@ -196,7 +196,7 @@ def test_exact_solver_pairs_single_sample_bins() -> None:
 
 
 def test_core_name_says_which_implementation_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from evenflow.engine import _algorithms
+    from evenflow.engine._planning import algorithms as _algorithms
 
     monkeypatch.setattr(_algorithms, "_use_native", False)
     expected_off = "python" if _algorithms._native is None else "python (compiled core"

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from evenflow.engine._bench_scale import main
+from evenflow.engine._tools.bench.scale import main
 
 
 def test_quick_json_report(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ from evenflow.engine import (
     SampleMetadata,
     TokenCost,
 )
-from evenflow.engine._cost import (
+from evenflow.engine._planning.cost import (
     cost_model_id,
     evaluate_components,
     evaluate_costs,

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from evenflow.engine._demo import main, scaled_distribution, stdlib_source
-from evenflow.engine._demo_model import MeasuredCost, TinyCausalLM, TinyConfig, packed_loss
 from evenflow.engine._model import SampleMetadata
-from evenflow.engine._pack import default_pack_fn
-from evenflow.engine._workloads import SFT
+from evenflow.engine._pipeline.pack import default_pack_fn
+from evenflow.engine._tools.demo.model import MeasuredCost, TinyCausalLM, TinyConfig, packed_loss
+from evenflow.engine._tools.demo.run import main, scaled_distribution, stdlib_source
+from evenflow.engine.workloads import SFT
 
 
 def _tiny_model(max_positions: int = 64) -> TinyCausalLM:

@@ -200,7 +200,7 @@ _COMMANDS = (
 
 @pytest.mark.parametrize("command", _COMMANDS, ids=" ".join)
 def test_cli_reference_lists_every_option(command: list[str]) -> None:
-    from evenflow.engine import _cli
+    from evenflow.engine._tools import cli as _cli
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from evenflow.engine._h2d import DeviceStager, StagedBatch
+from evenflow.engine._pipeline.h2d import DeviceStager, StagedBatch
 from evenflow.engine.errors import ConfigError, LoaderStateError
 
 # -- a recording stand-in for torch.cuda / torch.npu -------------------------------------------

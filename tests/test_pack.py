@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from evenflow.engine._pack import default_collate_fn, default_pack_fn
+from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
 from evenflow.engine.errors import ConfigError
 
 

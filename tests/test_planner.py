@@ -8,11 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from evenflow.engine._algorithms import BalanceProblem
-from evenflow.engine._cost import ComponentCost
 from evenflow.engine._model import SampleKey, SampleMetadata, _mint_keys
 from evenflow.engine._plan import plan_digest
-from evenflow.engine._planner import Planner
+from evenflow.engine._planning.algorithms import BalanceProblem
+from evenflow.engine._planning.cost import ComponentCost
+from evenflow.engine._planning.planner import Planner
 from evenflow.engine.errors import ConfigError, PlanningError
 
 Samples = list[tuple[SampleKey, SampleMetadata]]
@@ -458,7 +458,7 @@ def test_plan_restores_the_garbage_collector_state() -> None:
 
 @pytest.mark.parametrize("algorithm", ["lpt", "default"])
 def test_step_stats_from_key_fields_equals_the_explicit_owner_map(algorithm: str) -> None:
-    from evenflow.engine._stats import step_stats
+    from evenflow.engine._pipeline.stats import step_stats
 
     samples, bins = step_of([[9, 8, 7], [1, 1], [2, 3], [5]])
     plan = planner(num_ranks=4, algorithm=algorithm).plan(samples, bins, step=0)
@@ -480,7 +480,7 @@ def test_step_stats_from_key_fields_equals_the_explicit_owner_map(algorithm: str
 def test_overlapping_plans_leave_the_collector_enabled() -> None:
     import gc
 
-    from evenflow.engine._planner import _collector_paused
+    from evenflow.engine._planning.planner import _collector_paused
 
     assert gc.isenabled()
     first, second = _collector_paused(), _collector_paused()

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from evenflow.engine._model import SampleKey, SampleMetadata
 from evenflow.engine._plan import Plan
-from evenflow.engine._planner import Planner
+from evenflow.engine._planning.planner import Planner
 
 Step = tuple[
     int, int, int, list[tuple[SampleKey, SampleMetadata]], list[list[SampleKey]], dict[str, Any]

@@ -9,8 +9,7 @@ from typing import Any
 
 import pytest
 
-from evenflow.engine import _tracing
-from evenflow.engine._tracing import (
+from evenflow.engine._tracing.tracer import (
     NullTracer,
     Span,
     StallMeter,
@@ -18,6 +17,7 @@ from evenflow.engine._tracing import (
     merge_chrome_traces,
     resolve_tracer,
 )
+from evenflow.engine._tracing import tracer as _tracing
 from evenflow.engine.errors import ConfigError, LoaderStateError
 
 

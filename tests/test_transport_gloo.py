@@ -378,7 +378,7 @@ def test_device_launches_go_through_the_launcher(pool: RankPool) -> None:
 
 @pytest.mark.multiprocess
 def test_exchange_benchmark_quick_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from evenflow.transports._bench_exchange import main
+    from evenflow.engine._tools.bench.exchange import main
 
     assert main(["--quick", "--json"]) == 0
     document = json.loads(capsys.readouterr().out)

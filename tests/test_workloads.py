@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from evenflow.engine._model import SampleKey
-from evenflow.engine._workloads import (
+from evenflow.engine.errors import ConfigError
+from evenflow.engine.workloads import (
     DISTRIBUTIONS,
     PACKERS,
     SFT,
@@ -19,7 +20,6 @@ from evenflow.engine._workloads import (
     sample_lengths,
     step_source,
 )
-from evenflow.engine.errors import ConfigError
 
 
 @pytest.mark.parametrize("distribution", sorted(DISTRIBUTIONS))

@@ -11,13 +11,19 @@ import sys
 from collections.abc import Sequence
 
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("evenflow.engine._demo", "run N local ranks on Gloo and report balance and speedup"),
+    "demo": (
+        "evenflow.engine._tools.demo.run",
+        "run N local ranks on Gloo and report balance and speedup",
+    ),
 }
 _BENCHMARKS: dict[str, tuple[str, str]] = {
-    "planner": ("evenflow.engine._bench_planner", "plan quality and planning time"),
-    "exchange": ("evenflow.transports._bench_exchange", "payload exchange throughput on Gloo"),
-    "pipeline": ("evenflow.engine._bench_pipeline", "step time and data stall of the pipeline"),
-    "scale": ("evenflow.engine._bench_scale", "planning and traffic at 8 to 1,024 ranks"),
+    "planner": ("evenflow.engine._tools.bench.planner", "plan quality and planning time"),
+    "exchange": ("evenflow.engine._tools.bench.exchange", "payload exchange throughput on Gloo"),
+    "pipeline": (
+        "evenflow.engine._tools.bench.pipeline",
+        "step time and data stall of the pipeline",
+    ),
+    "scale": ("evenflow.engine._tools.bench.scale", "planning and traffic at 8 to 1,024 ranks"),
 }
 
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from evenflow.engine._config import LoaderConfig
-from evenflow.engine._topology import Topology
+from evenflow.engine._distributed.topology import Topology
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import (
     ConfigError,
@@ -59,9 +59,9 @@ from evenflow.transports.errors import (
 )
 
 if TYPE_CHECKING:
-    from evenflow.engine._h2d import DeviceStager
-    from evenflow.engine._loader import BalancedLoader
-    from evenflow.engine._stats import StepStats
+    from evenflow.engine._pipeline.h2d import DeviceStager
+    from evenflow.engine._pipeline.loader import BalancedLoader
+    from evenflow.engine._pipeline.stats import StepStats
 
 __all__ = [
     "BatchBroadcaster",
@@ -464,8 +464,8 @@ class DistributedLoader:
         loader_kwargs: dict[str, Any],
         release: Callable[[], None],
     ) -> DistributedLoader:
-        from evenflow.engine._h2d import DeviceStager
-        from evenflow.engine._loader import BalancedLoader
+        from evenflow.engine._pipeline.h2d import DeviceStager
+        from evenflow.engine._pipeline.loader import BalancedLoader
 
         if broadcaster is None:
             raise ValueError("A follower rank needs the broadcast group of its constructor.")

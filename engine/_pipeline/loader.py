@@ -14,10 +14,10 @@ from types import TracebackType
 from typing import Any
 
 from evenflow.engine._config import LoaderConfig
-from evenflow.engine._launchpoints import CallerLauncher
-from evenflow.engine._pipeline import Pipeline
-from evenflow.engine._stats import StepStats
-from evenflow.engine._step import StepState
+from evenflow.engine._pipeline.launchpoints import CallerLauncher
+from evenflow.engine._pipeline.pipeline import Pipeline
+from evenflow.engine._pipeline.stats import StepStats
+from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
 
@@ -87,10 +87,10 @@ class BalancedLoader:
         tracer: Any = None,
         stats_callback: Callable[[StepStats], None] | None = None,
     ) -> None:
-        from evenflow.engine._h2d import DeviceStager
-        from evenflow.engine._pack import default_collate_fn, default_pack_fn
-        from evenflow.engine._planner import Planner
-        from evenflow.engine._tracing import StallMeter, resolve_tracer
+        from evenflow.engine._pipeline.h2d import DeviceStager
+        from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
+        from evenflow.engine._planning.planner import Planner
+        from evenflow.engine._tracing.tracer import StallMeter, resolve_tracer
 
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"config must be a LoaderConfig, but got {config!r:.80}.")
@@ -458,7 +458,7 @@ class BalancedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by :meth:`state_dict`; only before iteration starts."""
-        from evenflow.engine._resume import validate_state
+        from evenflow.engine._pipeline.resume import validate_state
 
         self._check_open()
         if self._pipeline is not None or self._delivered or self._pass_finished:
@@ -502,7 +502,7 @@ class BalancedLoader:
         if self._launcher is not None:
             self._launcher.bind(loop)
         if self._restored is not None:
-            from evenflow.engine._resume import restore_source
+            from evenflow.engine._pipeline.resume import restore_source
 
             restored, self._restored = self._restored, None
             initial_iter = await loop.run_in_executor(

@@ -34,10 +34,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey, SampleMetadata, _mint_key
-from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, plan_digest
-from evenflow.engine._sequencer import Sequencer
-from evenflow.engine._stats import step_stats
-from evenflow.engine._step import (
+from evenflow.engine._pipeline.sequencer import Sequencer
+from evenflow.engine._pipeline.stats import step_stats
+from evenflow.engine._pipeline.step import (
     StepState,
     build_message,
     check_digests,
@@ -45,6 +44,7 @@ from evenflow.engine._step import (
     peer_samples,
     remote_error,
 )
+from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, plan_digest
 from evenflow.engine.errors import (
     ConfigError,
     GroupMismatchError,

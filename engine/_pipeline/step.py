@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._model import SampleKey, SampleMetadata, _mint_keys
+from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._plan import Plan
-from evenflow.engine._stats import StepStats
 from evenflow.engine.errors import GroupMismatchError, RemoteStageError
 
 __all__ = ["ErrorInfo", "StepState", "build_message", "error_info", "peer_samples"]

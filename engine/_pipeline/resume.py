@@ -23,7 +23,7 @@ _REQUIRED = ("format", "version", "epoch", "step", "source", "rank", "group", "f
 
 def validate_state(state: Any, loader: Any) -> None:
     """Raise ``ResumeError`` naming what differs between ``state`` and ``loader``."""
-    from evenflow.engine._loader import STATE_FORMAT, STATE_VERSION
+    from evenflow.engine._pipeline.loader import STATE_FORMAT, STATE_VERSION
 
     if not isinstance(state, dict):
         raise ResumeError(

@@ -20,8 +20,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from evenflow.engine._flops import FlopsCost
 from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._planning.flops import FlopsCost
 from evenflow.engine._validate import check_choice, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 

@@ -8,7 +8,7 @@ rank; the planner validates it and decides whether to use it.
 
 :class:`LPTAlgorithm` reproduces the reference greedy exactly (longest processing time first
 with best-fit bins, falling back to the source layout when a sample fits nowhere). The default
-algorithm, :class:`~evenflow.engine._refine.RefineAlgorithm`, lives in its own module.
+algorithm, :class:`~evenflow.engine._planning.refine.RefineAlgorithm`, lives in its own module.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from evenflow.engine._model import PackingConstraints, SampleKey
-from evenflow.engine._objectives import Objective, makespan
-from evenflow.engine._refine import RefineAlgorithm
+from evenflow.engine._planning.objectives import Objective, makespan
+from evenflow.engine._planning.refine import RefineAlgorithm
 from evenflow.engine.errors import ConfigError
 
 __all__ = [
@@ -44,9 +44,9 @@ RankCostFn = Callable[[np.ndarray], np.ndarray]
 
 
 def _load_native() -> Any:
-    """The compiled inner loops (``evenflow.engine._native``), or None when not built."""
+    """The compiled inner loops (``evenflow.engine._planning._native``), or None when not built."""
     try:  # optional: see pyproject.toml
-        return importlib.import_module("evenflow.engine._native")
+        return importlib.import_module("evenflow.engine._planning._native")
     except ImportError:  # pragma: no cover - depends on how the package was built
         return None
 
@@ -292,7 +292,7 @@ def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
     bin minimising (rank load, capacity left after insertion, rank tokens, rank, bin). Rank
     tokens add ``min(tokens, seq_len)``. Loads are Python floats summed in the same order as
     the reference, so ties resolve identically. Steps without packing budgets run compiled
-    (``evenflow.engine._native``, ~50 ns per sample) when the extension is built;
+    (``evenflow.engine._planning._native``, ~50 ns per sample) when the extension is built;
     :func:`_lpt_python` is its specification (phase 2 by :func:`_place_plain`, 1-2 us per
     sample). Steps with budgets use a heap of ``(load, tokens, rank)`` tuples and check
     budgets per bin.

@@ -34,7 +34,7 @@ change (``makespan``) / no rank does (``balance``). Deterministic: no randomness
 the lowest index, and the budget counts attempts, never time.
 
 Two implementations, one result: this module evaluates candidates in bulk with numpy (a few
-dozen array operations per attempt) and is the specification; ``evenflow.engine._native``
+dozen array operations per attempt) and is the specification; ``evenflow.engine._planning._native``
 runs the same search compiled, candidate for candidate, when the extension is built and the
 step has no packing budgets (see :meth:`_Search.run`). Tests hold the two to identical
 layouts.
@@ -53,11 +53,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from evenflow.engine._objectives import balance
+from evenflow.engine._planning.objectives import balance
 from evenflow.engine._validate import check_optional_int
 
 if TYPE_CHECKING:
-    from evenflow.engine._algorithms import BalanceProblem, FlatLayout
+    from evenflow.engine._planning.algorithms import BalanceProblem, FlatLayout
 
 __all__ = ["RefineAlgorithm"]
 
@@ -112,7 +112,7 @@ class RefineAlgorithm:
 
     def assign(self, problem: BalanceProblem) -> Sequence[Sequence[int]] | None:
         """The refined layout (a ``FlatLayout``), or ``None`` when nothing beats the source."""
-        from evenflow.engine._algorithms import FlatLayout, _flatten, lpt_layout
+        from evenflow.engine._planning.algorithms import FlatLayout, _flatten, lpt_layout
 
         if problem.num_ranks < 2:
             return None
@@ -180,7 +180,7 @@ def _lightest(load: np.ndarray, reach: int) -> np.ndarray:
 
 def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:
     """Whole bins dealt heaviest first to the least-loaded rank that still lacks a bin."""
-    from evenflow.engine._algorithms import FlatLayout
+    from evenflow.engine._planning.algorithms import FlatLayout
 
     flat, sizes = source.flat, source.sizes
     num_bins = sizes.size
@@ -205,7 +205,7 @@ def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:
 
 
 def _budgets_hold(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> bool:
-    from evenflow.engine._algorithms import first_infeasible_bin
+    from evenflow.engine._planning.algorithms import first_infeasible_bin
 
     if not problem.constraints.budgets:
         return True
@@ -257,8 +257,8 @@ class _Search:
 
     def run(self, budget: int) -> FlatLayout:
         """Search for at most ``budget`` attempts; the layout reached."""
-        from evenflow.engine import _algorithms
-        from evenflow.engine._algorithms import FlatLayout
+        from evenflow.engine._planning import algorithms as _algorithms
+        from evenflow.engine._planning.algorithms import FlatLayout
 
         num_ranks = self.p.num_ranks
         # No layout beats the larger of the mean rank load and the costliest sample; within
@@ -290,7 +290,7 @@ class _Search:
 
     def _run_compiled(self, core: Any, budget: int, good_enough: float) -> FlatLayout:
         """:meth:`run` by the compiled search: same steps, same layout, far fewer cycles."""
-        from evenflow.engine._algorithms import FlatLayout
+        from evenflow.engine._planning.algorithms import FlatLayout
 
         out_flat = np.empty_like(self.start.flat)
         out_sizes = np.empty_like(self.start.sizes)

@@ -3,7 +3,7 @@
 The first half is plain arithmetic on rank numbers, so it runs (and is tested) without
 torch.distributed. The second half, :func:`build_loader`, gathers what it needs over a startup
 Gloo group, creates every group, checks that all ranks agree on the build and returns a
-:class:`~evenflow.engine._mp_broadcast.DistributedLoader`.
+:class:`~evenflow.engine._distributed.loader.DistributedLoader`.
 
 Vocabulary:
 
@@ -41,7 +41,7 @@ from evenflow.transports import Transport
 from evenflow.transports.errors import PeerFailureError, TransportTimeoutError, WireFormatError
 
 if TYPE_CHECKING:
-    from evenflow.engine._mp_broadcast import DistributedLoader
+    from evenflow.engine._distributed.loader import DistributedLoader
 
 __all__ = [
     "DEFAULT_DP_DIM_NAMES",
@@ -480,8 +480,8 @@ def _build_local(
     groups: _Groups,
     loader_kwargs: dict[str, Any],
 ) -> DistributedLoader:
-    from evenflow.engine._loader import BalancedLoader
-    from evenflow.engine._mp_broadcast import BatchBroadcaster, DistributedLoader
+    from evenflow.engine._distributed.loader import BatchBroadcaster, DistributedLoader
+    from evenflow.engine._pipeline.loader import BalancedLoader
 
     mp_pg = mine.get("mp")
     broadcaster = (
@@ -542,7 +542,7 @@ def _make_transport(
 
 
 def _close_transport(transport: Transport) -> None:
-    from evenflow.engine._mp_broadcast import run_coroutine
+    from evenflow.engine._distributed.loader import run_coroutine
 
     run_coroutine(transport.aclose())
 

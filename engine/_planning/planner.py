@@ -22,16 +22,16 @@ from typing import Any, cast
 
 import numpy as np
 
-from evenflow.engine._algorithms import (
+from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
+from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, _digest_arrays
+from evenflow.engine._planning.algorithms import (
     BalanceProblem,
     BalancingAlgorithm,
     FlatLayout,
     _first_infeasible_flat,
     resolve_algorithm,
 )
-from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
-from evenflow.engine._objectives import resolve_objective
-from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, _digest_arrays
+from evenflow.engine._planning.objectives import resolve_objective
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 
@@ -76,7 +76,7 @@ class Planner:
     """Plans one step of one balance group at a time (see the module docstring).
 
     ``num_ranks`` ranks hold ``bins_per_rank`` packed sequences of ``seq_len`` tokens each.
-    ``cost_model``: anything :func:`evenflow.engine._cost.resolve_cost_model` accepts.
+    ``cost_model``: anything :func:`evenflow.engine._planning.cost.resolve_cost_model` accepts.
     ``algorithm``: ``"default"`` (= ``"refine"``), ``"lpt"`` or an object with
     ``assign(problem)``. ``objective``: ``"makespan"`` or ``"balance"``.
     ``min_balance_gain`` in [0, 1): the candidate replaces the source layout only when
@@ -97,7 +97,7 @@ class Planner:
         oversized_policy: str = "error",
         packing_budgets: dict[str, float] | None = None,
     ) -> None:
-        from evenflow.engine import _cost
+        from evenflow.engine._planning import cost as _cost
 
         self.num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         self.bins_per_rank = check_int("bins_per_rank", bins_per_rank, minimum=1)
@@ -408,7 +408,7 @@ class Planner:
     def _costs(
         self, keys: tuple[SampleKey, ...], metas: list[SampleMetadata], tokens: np.ndarray
     ) -> tuple[np.ndarray, Any]:
-        from evenflow.engine import _cost
+        from evenflow.engine._planning import cost as _cost
 
         if not self._components:
             costs = _cost.evaluate_costs(self.cost_model, metas, keys=keys, tokens=tokens)

@@ -38,8 +38,8 @@ import numpy as np
 import numpy.typing as npt
 
 from evenflow.engine._validate import check_choice, check_int, check_number
-from evenflow.engine._workloads import DISTRIBUTIONS, LengthMixture, LogNormal, LogUniform
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.workloads import DISTRIBUTIONS, LengthMixture, LogNormal, LogUniform
 
 __all__ = ["main", "scaled_distribution", "stdlib_source"]
 
@@ -153,9 +153,9 @@ def _progress(runs: dict[str, _Run], total: int) -> None:
 
 
 def _cost_model(spec: dict[str, Any], model: Any, config: Any) -> tuple[Any, dict[str, Any]]:
-    from evenflow.engine._cost import QuadraticCost, TokenCost
-    from evenflow.engine._demo_model import MeasuredCost, time_per_sample
-    from evenflow.engine._flops import FlopsCost
+    from evenflow.engine._planning.cost import QuadraticCost, TokenCost
+    from evenflow.engine._planning.flops import FlopsCost
+    from evenflow.engine._tools.demo.model import MeasuredCost, time_per_sample
 
     name = spec["cost_model"]
     if name == "tokens":
@@ -186,7 +186,7 @@ def _cost_model(spec: dict[str, Any], model: Any, config: Any) -> tuple[Any, dic
 
 
 def _source(spec: dict[str, Any], rank: int, num_ranks: int) -> Iterator[Any]:
-    from evenflow.engine._workloads import step_source
+    from evenflow.engine.workloads import step_source
 
     if spec["data"] == "stdlib":
         return stdlib_source(
@@ -225,8 +225,8 @@ class _Run:
         import torch
 
         from evenflow.engine._config import LoaderConfig
-        from evenflow.engine._loader import BalancedLoader
-        from evenflow.engine._tracing import Tracer
+        from evenflow.engine._pipeline.loader import BalancedLoader
+        from evenflow.engine._tracing.tracer import Tracer
         from evenflow.transports._gloo import GlooTransport
 
         self.name = name
@@ -265,7 +265,7 @@ class _Run:
         import torch
         import torch.distributed as dist
 
-        from evenflow.engine._demo_model import packed_loss
+        from evenflow.engine._tools.demo.model import packed_loss
 
         step = len(self.steps)
         started = time.perf_counter()
@@ -342,7 +342,7 @@ def _rank_main(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any
     """Body of one rank (runs in a spawned process; arguments and result are plain data)."""
     import torch
 
-    from evenflow.engine._demo_model import TinyCausalLM, TinyConfig
+    from evenflow.engine._tools.demo.model import TinyCausalLM, TinyConfig
 
     torch.set_num_threads(spec["threads_per_rank"])
     torch.manual_seed(spec["seed"])  # the same initial weights on every rank, as DDP needs
@@ -475,7 +475,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow demo") -> int:
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    from evenflow.engine._demo_report import build_report, format_report, write_outputs
+    from evenflow.engine._tools.demo.report import build_report, format_report, write_outputs
     from evenflow.transports.launch import LaunchError, RankFailedError, run_ranks
 
     out = Path(args.out).resolve()

@@ -74,7 +74,7 @@ _CALLER_STAGES = frozenset({"wait", "compute"})
 
 
 def _source(rank: int, steps: int, seed: int) -> Iterator[Any]:
-    from evenflow.engine._workloads import step_source
+    from evenflow.engine.workloads import step_source
 
     return step_source(
         "sft",
@@ -89,8 +89,8 @@ def _source(rank: int, steps: int, seed: int) -> Iterator[Any]:
 
 def _seconds_per_cost(num_ranks: int, seed: int, target_s: float) -> float:
     """Sleep seconds per unit of planned cost so the mean rank computes ``target_s``."""
-    from evenflow.engine._cost import QuadraticCost
-    from evenflow.engine._workloads import make_step
+    from evenflow.engine._planning.cost import QuadraticCost
+    from evenflow.engine.workloads import make_step
 
     cost = QuadraticCost()
     totals = []
@@ -127,7 +127,7 @@ class _Reference:
 
     async def fetch(self) -> tuple[list[Any], float] | None:
         from evenflow.engine._model import SampleKey, SampleMetadata
-        from evenflow.engine._pack import default_pack_fn
+        from evenflow.engine._pipeline.pack import default_pack_fn
 
         bins = next(self.source, None)
         # Every source here has the same number of steps, so all ranks end together.
@@ -165,8 +165,8 @@ class _Reference:
 
 def _make_loader(config_name: str, transport: Any, spec: dict[str, Any], rank: int) -> Any:
     from evenflow.engine._config import LoaderConfig
-    from evenflow.engine._loader import BalancedLoader
-    from evenflow.engine._tracing import Tracer
+    from evenflow.engine._pipeline.loader import BalancedLoader
+    from evenflow.engine._tracing.tracer import Tracer
 
     tracer = None
     if config_name == "balanced+trace":
@@ -205,7 +205,7 @@ def _record(
 
 
 def _run_sync(config_name: str, transport: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
-    from evenflow.engine._planner import Planner
+    from evenflow.engine._planning.planner import Planner
 
     k = spec["seconds_per_cost"]
     steps: list[dict[str, float]] = []
@@ -252,7 +252,7 @@ def _run_sync(config_name: str, transport: Any, spec: dict[str, Any], rank: int)
 async def _run_async(
     config_name: str, transport: Any, spec: dict[str, Any], rank: int
 ) -> dict[str, Any]:
-    from evenflow.engine._planner import Planner
+    from evenflow.engine._planning.planner import Planner
 
     k = spec["seconds_per_cost"]
     loop = asyncio.get_running_loop()
@@ -325,7 +325,7 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
 
 def _null_tracer_cost(spans_per_step: int) -> float:
     """Seconds the tracing hooks cost per step when tracing is off (NullTracer calls)."""
-    from evenflow.engine._tracing import NullTracer
+    from evenflow.engine._tracing.tracer import NullTracer
 
     tracer = NullTracer()
     n = 20_000

@@ -1,7 +1,7 @@
 """``evenflow bench planner``: plan quality and planning time of ``"lpt"`` and ``"default"``.
 
 For every case of a sweep (distribution x source packer x ranks x bins per rank x cost
-``a*L + L^2``) it plans steps made by :func:`~evenflow.engine._workloads.make_step` with both
+``a*L + L^2``) it plans steps made by :func:`~evenflow.engine.workloads.make_step` with both
 algorithms and reports, side by side:
 
 * the max rank cost before (source layout) and after planning, relative to the lower bound
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._model import SampleMetadata
-from evenflow.engine._workloads import DISTRIBUTIONS, PACKERS, make_step
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.workloads import DISTRIBUTIONS, PACKERS, make_step
 
 __all__ = ["main"]
 
@@ -117,7 +117,7 @@ def _quantiles(values: Sequence[float], *names: str) -> dict[str, float | None]:
 
 def _cost_model(linear: float) -> Callable[[SampleMetadata], float]:
     try:
-        from evenflow.engine._cost import QuadraticCost
+        from evenflow.engine._planning.cost import QuadraticCost
     except ImportError:  # pragma: no cover - only while the cost models are absent
 
         def quadratic(meta: SampleMetadata) -> float:
@@ -136,7 +136,7 @@ class _CountingAlgorithm:
     """
 
     def __init__(self, name: str) -> None:
-        from evenflow.engine._algorithms import resolve_algorithm
+        from evenflow.engine._planning.algorithms import resolve_algorithm
 
         self._inner = resolve_algorithm(name)
         self.name: str = self._inner.name
@@ -563,7 +563,7 @@ def _fmt(q: dict[str, float | None], *names: str, digits: int = 2) -> str:
 
 def _core_name() -> str:
     """Which implementation of the greedy and the search the timings measure."""
-    from evenflow.engine import _algorithms
+    from evenflow.engine._planning import algorithms as _algorithms
 
     if _algorithms._native is None:
         return "python (the compiled extension is not built)"
@@ -689,7 +689,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    from evenflow.engine._planner import Planner
+    from evenflow.engine._planning.planner import Planner
 
     cases, skipped = _sweep(args)
     started = time.perf_counter()

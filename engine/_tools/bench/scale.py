@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._pipeline.step import StepState, build_message
 from evenflow.engine._plan import Plan
-from evenflow.engine._step import StepState, build_message
 from evenflow.transports import _wire
 
 __all__ = ["main"]
@@ -69,8 +69,8 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def _planner(num_ranks: int, settings: _Settings) -> Any:
-    from evenflow.engine._cost import QuadraticCost
-    from evenflow.engine._planner import Planner
+    from evenflow.engine._planning.cost import QuadraticCost
+    from evenflow.engine._planning.planner import Planner
 
     return Planner(
         num_ranks=num_ranks,
@@ -82,7 +82,7 @@ def _planner(num_ranks: int, settings: _Settings) -> Any:
 
 
 def _step(num_ranks: int, step: int, settings: _Settings) -> tuple[Samples, Bins]:
-    from evenflow.engine._workloads import make_step
+    from evenflow.engine.workloads import make_step
 
     return make_step(
         settings.distribution,
@@ -197,7 +197,7 @@ def _balance(rank_costs: np.ndarray[Any, Any], largest: float) -> dict[str, floa
 
 
 def _two_level(settings: _Settings) -> dict[str, Any]:
-    from evenflow.engine._cost import QuadraticCost
+    from evenflow.engine._planning.cost import QuadraticCost
 
     nodes, per_node = settings.nodes, settings.ranks_per_node
     num_ranks = nodes * per_node

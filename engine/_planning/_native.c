@@ -111,7 +111,7 @@ static inline int64_t emptiest(const int64_t *fills, Py_ssize_t per) {
 
 static int check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssize_t count) {
     if (view->len != itemsize * count) {
-        PyErr_Format(PyExc_ValueError, "evenflow.engine._native: %s has %zd bytes, expected %zd", name,
+        PyErr_Format(PyExc_ValueError, "evenflow.engine._planning._native: %s has %zd bytes, expected %zd", name,
                      view->len, itemsize * count);
         return -1;
     }

@@ -1,0 +1,1 @@
+"""``evenflow bench <name>``: one module per benchmark, each with ``main(argv, prog)``."""

@@ -1,0 +1,1 @@
+"""``evenflow demo``: the driver (``run``), its tiny model (``model``), its report (``report``)."""

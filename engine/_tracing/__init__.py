@@ -1,0 +1,1 @@
+"""Tracing: spans for every stage step, their sinks and summaries, and the data-stall meter."""
