@@ -29,12 +29,12 @@ _LAZY: dict[str, str] = {
     "BalancedLoader": "evenflow.engine._pipeline.loader",
     "default_pack_fn": "evenflow.engine._pipeline.pack",
     "default_collate_fn": "evenflow.engine._pipeline.pack",
-    "Tracer": "evenflow.engine._tracing.tracer",
+    "Tracer": "evenflow.engine._tracing",
     "build_loader": "evenflow.engine._distributed.topology",
     "DistributedLoader": "evenflow.engine._distributed.loader",
     "StepStats": "evenflow.engine._pipeline.stats",
-    "NullTracer": "evenflow.engine._tracing.tracer",
-    "merge_chrome_traces": "evenflow.engine._tracing.tracer",
+    "NullTracer": "evenflow.engine._tracing",
+    "merge_chrome_traces": "evenflow.engine._tracing",
 }
 
 __all__ = [

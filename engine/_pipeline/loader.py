@@ -90,7 +90,7 @@ class BalancedLoader:
         from evenflow.engine._pipeline.h2d import DeviceStager
         from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
         from evenflow.engine._planning.planner import Planner
-        from evenflow.engine._tracing.tracer import StallMeter, resolve_tracer
+        from evenflow.engine._tracing import StallMeter, resolve_tracer
 
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"config must be a LoaderConfig, but got {config!r:.80}.")

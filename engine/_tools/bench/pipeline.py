@@ -166,7 +166,7 @@ class _Reference:
 def _make_loader(config_name: str, transport: Any, spec: dict[str, Any], rank: int) -> Any:
     from evenflow.engine._config import LoaderConfig
     from evenflow.engine._pipeline.loader import BalancedLoader
-    from evenflow.engine._tracing.tracer import Tracer
+    from evenflow.engine._tracing import Tracer
 
     tracer = None
     if config_name == "balanced+trace":
@@ -325,7 +325,7 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
 
 def _null_tracer_cost(spans_per_step: int) -> float:
     """Seconds the tracing hooks cost per step when tracing is off (NullTracer calls)."""
-    from evenflow.engine._tracing.tracer import NullTracer
+    from evenflow.engine._tracing import NullTracer
 
     tracer = NullTracer()
     n = 20_000

@@ -158,7 +158,7 @@ def build_report(
 
 def write_outputs(report: dict[str, Any], out: Path) -> None:
     """Merge traces, draw the plot and write ``report.json``; records paths in ``report``."""
-    from evenflow.engine._tracing.tracer import merge_chrome_traces
+    from evenflow.engine._tracing import merge_chrome_traces
 
     files: dict[str, Any] = report["files"]
     for run, name in (("balanced", "trace.json"), ("unbalanced", "trace-unbalanced.json")):

@@ -226,7 +226,7 @@ class _Run:
 
         from evenflow.engine._config import LoaderConfig
         from evenflow.engine._pipeline.loader import BalancedLoader
-        from evenflow.engine._tracing.tracer import Tracer
+        from evenflow.engine._tracing import Tracer
         from evenflow.transports._gloo import GlooTransport
 
         self.name = name
