@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evenflow.engine import errors
 from evenflow.engine._model import OversizedPolicy, PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._plan import BalanceDecision, BinPlan, Plan
+
+if TYPE_CHECKING:
+    # The names below are served lazily at run time (see __getattr__); type checkers
+    # import them here so that users see the real classes and functions, never Any.
+    from evenflow.engine._config import LoaderConfig
+    from evenflow.engine._distributed.loader import DistributedLoader
+    from evenflow.engine._distributed.topology import build_loader
+    from evenflow.engine._pipeline.loader import BalancedLoader
+    from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
+    from evenflow.engine._pipeline.stats import StepStats
+    from evenflow.engine._planning.algorithms import (
+        BalanceProblem,
+        BalancingAlgorithm,
+        FlatLayout,
+        LPTAlgorithm,
+        RefineAlgorithm,
+    )
+    from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
+    from evenflow.engine._planning.flops import FlopsCost
+    from evenflow.engine._planning.planner import Planner
+    from evenflow.engine._tracing import NullTracer, Tracer, merge_chrome_traces
 
 # Names served lazily from their modules (resolved on first access).
 _LAZY: dict[str, str] = {
