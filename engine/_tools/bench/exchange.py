@@ -37,6 +37,8 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.transports._gloo import GlooTransport, normalize_outgoing
+from evenflow.transports._wire import encode_many
 from evenflow.transports.launch import run_ranks
 
 _MIB = 1 << 20
@@ -80,9 +82,6 @@ async def _measure_size(
     """Time the four methods on one payload size, interleaved, in every rank."""
     import torch
     import torch.distributed as dist
-
-    from evenflow.transports._gloo import normalize_outgoing
-    from evenflow.transports._wire import encode_many
 
     world = dist.group.WORLD
     outgoing, per_target = _payload(rank, num_ranks, mib * _MIB, seed + mib)
@@ -160,8 +159,6 @@ def _rank_main(
 ) -> dict[str, Any]:
     """Runs on every rank: times every method for every size."""
     import torch
-
-    from evenflow.transports._gloo import GlooTransport
 
     torch.set_num_threads(1)
 

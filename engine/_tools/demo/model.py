@@ -32,6 +32,7 @@ from torch import nn
 
 from evenflow.engine._model import SampleMetadata
 from evenflow.engine._validate import check_int
+from evenflow.engine.errors import ConfigError
 
 __all__ = [
     "TinyCausalLM",
@@ -61,8 +62,6 @@ class TinyConfig:
         check_int("TinyConfig.intermediate_size", self.intermediate_size, minimum=1)
         check_int("TinyConfig.max_positions", self.max_positions, minimum=1)
         if self.hidden_size % self.num_heads:
-            from evenflow.engine.errors import ConfigError
-
             raise ConfigError(
                 f"TinyConfig.hidden_size={self.hidden_size!r} must be a multiple of "
                 f"num_heads={self.num_heads!r}; change either."
