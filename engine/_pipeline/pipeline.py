@@ -134,12 +134,12 @@ class Pipeline:
         plan_s, plan_r = anyio.create_memory_object_stream[StepState](1)
         exch_s, exch_r = anyio.create_memory_object_stream[StepState](1)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._read_stage, read_s)
-                tg.start_soon(self._stage, "gather", read_r, gath_s, self._gather)
-                tg.start_soon(self._stage, "plan", gath_r, plan_s, self._plan)
-                tg.start_soon(self._stage, "exchange", plan_r, exch_s, self._exchange)
-                tg.start_soon(self._stage, "pack", exch_r, self._out_send, self._pack)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._read_stage(read_s))
+                tg.create_task(self._stage("gather", read_r, gath_s, self._gather))
+                tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
+                tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                tg.create_task(self._stage("pack", exch_r, self._out_send, self._pack))
         except BaseException as exc:  # a stage crashed, the group failed, or close() cancelled
             self._gather_done = True
             self.notify()
