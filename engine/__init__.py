@@ -16,7 +16,11 @@ if TYPE_CHECKING:
     from evenflow.engine._distributed.loader import DistributedLoader
     from evenflow.engine._distributed.topology import build_loader
     from evenflow.engine._pipeline.loader import BalancedLoader
-    from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
+    from evenflow.engine._pipeline.pack import (
+        count_loss_tokens,
+        default_collate_fn,
+        default_pack_fn,
+    )
     from evenflow.engine._pipeline.stats import StepStats
     from evenflow.engine._planning.algorithms import (
         BalanceProblem,
@@ -49,6 +53,7 @@ _LAZY: dict[str, str] = {
     "LoaderConfig": "evenflow.engine._config",
     "BalancedLoader": "evenflow.engine._pipeline.loader",
     "default_pack_fn": "evenflow.engine._pipeline.pack",
+    "count_loss_tokens": "evenflow.engine._pipeline.pack",
     "default_collate_fn": "evenflow.engine._pipeline.pack",
     "Tracer": "evenflow.engine._tracing",
     "build_loader": "evenflow.engine._distributed.topology",
@@ -84,6 +89,7 @@ __all__ = [
     "TokenCost",
     "Tracer",
     "build_loader",
+    "count_loss_tokens",
     "default_collate_fn",
     "default_pack_fn",
     "errors",

@@ -368,7 +368,7 @@ def _outcome(exc: BaseException) -> dict[str, str]:
 
 
 def _tokens(batch: Any) -> list[int]:
-    return sorted(int(t) for b in batch for t in b["input_ids"].tolist())
+    return sorted(int(t) for b in batch for t in b["input_ids"].reshape(-1).tolist())
 
 
 def rank_groups(rank: int, num_ranks: int, mode: str) -> dict[str, Any]:
@@ -402,7 +402,7 @@ class _Untouchable:
 
 def _collate_with_big(packed: list[Any]) -> dict[str, Any]:
     """A batch with a tensor large enough to be broadcast on its own (not inline)."""
-    tokens = torch.cat([b["input_ids"] for b in packed])
+    tokens = torch.cat([b["input_ids"].reshape(-1) for b in packed])
     return {"bins": packed, "big": tokens.repeat(40).to(torch.float32), "tag": ("x", 1)}
 
 
@@ -433,7 +433,7 @@ def rank_mesh(rank: int, num_ranks: int, fail_at: int | None, mode: str) -> dict
             big.append(float(batch["big"].sum()))
             batch = batch["bins"]
         tokens.append(_tokens(batch))
-        assert isinstance(batch[0]["max_seqlen"], int)
+        assert isinstance(batch[0]["max_length_q"], int)
 
     async def consume() -> None:
         async with loader:

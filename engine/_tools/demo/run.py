@@ -285,12 +285,14 @@ class _Run:
         t0 = time.perf_counter()
         loss_sum, tokens, samples = 0.0, 0, 0
         for packed in batch:
-            logits = self.model(packed["input_ids"], packed["position_ids"], packed["cu_seqlens"])
-            loss = packed_loss(logits, packed["input_ids"], packed["cu_seqlens"])
+            logits = self.model(
+                packed["input_ids"], packed["position_ids"], packed["cu_seq_lens_q"]
+            )
+            loss = packed_loss(logits, packed["labels"])
             (loss / len(batch)).backward()
             loss_sum += loss.item()
             tokens += int(packed["input_ids"].numel())
-            samples += int(packed["cu_seqlens"].numel()) - 1
+            samples += int(packed["cu_seq_lens_q"].numel()) - 1
         t1 = time.perf_counter()
         # DDP-style: one flat all-reduce of every gradient over the training group. It also
         # waits for the slowest rank, which is what balancing shortens.
