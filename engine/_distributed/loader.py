@@ -50,6 +50,7 @@ from evenflow.engine.errors import (
     SourceExhaustedError,
 )
 from evenflow.transports import Transport, _wire
+from evenflow.transports._remote import RemoteErrorInfo, traceback_note
 from evenflow.transports.errors import (
     EncodeError,
     PeerFailureError,
@@ -186,45 +187,42 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def encode_error(exc: BaseException, *, rank: int, step: int) -> dict[str, Any]:
-    """Plain-data description of the constructor's failure, for its peers."""
+    """Plain-data description of the constructor's failure, for its peers.
+
+    ``kind`` is ``"same"`` for the engine's own message-only errors (the peer raises the same
+    class) and ``"remote"`` otherwise (the peer raises a ``RemoteStageError``); a
+    ``RemoteStageError`` is forwarded with its origin (rank, stage, step, traceback) intact.
+    """
     if isinstance(exc, RemoteStageError):
-        return {
-            "kind": "remote",
-            "rank": exc.failed_rank,
-            "stage": exc.stage,
-            "step": exc.step,
-            "type": exc.error_type,
-            "message": exc.remote_message,
-        }
-    name = type(exc).__name__
-    if type(exc) is _PORTABLE.get(name):
-        return {"kind": "same", "type": name, "message": str(exc)[:4000]}
-    return {
-        "kind": "remote",
-        "rank": rank,
-        "stage": "constructor",
-        "step": step,
-        "type": name,
-        "message": str(exc)[:4000],
-    }
+        return {"kind": "remote", "info": exc.to_info().to_wire()}
+    info = RemoteErrorInfo.from_exception(exc, rank=rank, stage="constructor", step=step)
+    kind = "same" if type(exc) is _PORTABLE.get(type(exc).__name__) else "remote"
+    return {"kind": kind, "info": info.to_wire()}
 
 
-def decode_error(info: Any) -> Exception:
+def decode_error(data: Any) -> Exception:
     """The exception a peer raises for :func:`encode_error`'s description."""
-    if not isinstance(info, dict):
-        return WireFormatError(f"Malformed error description {info!r:.120} in a batch header.")
-    if info.get("kind") == "same" and info.get("type") in _PORTABLE:
-        return _PORTABLE[info["type"]](str(info.get("message", "")))
     try:
-        return RemoteStageError(
-            failed_rank=int(info["rank"]),
-            stage=str(info["stage"]),
-            step=int(info["step"]),
-            error_type=str(info["type"]),
-            message=str(info["message"]),
-        )
-    except (KeyError, TypeError, ValueError):
-        return WireFormatError(f"Malformed error description {info!r:.120} in a batch header.")
+        if not isinstance(data, dict) or data.get("kind") not in ("same", "remote"):
+            raise WireFormatError(
+                f"Malformed error description {data!r:.120} in a batch header: expected a "
+                "mapping with kind 'same' or 'remote'."
+            )
+        info = RemoteErrorInfo.from_wire(data.get("info"), sender="the batch constructor")
+        if info.rank is None or info.step is None:
+            raise WireFormatError(
+                f"Malformed error description in a batch header: it names rank {info.rank!r} "
+                f"and step {info.step!r}; both must be non-negative integers."
+            )
+    except WireFormatError as exc:
+        return exc
+    portable = _PORTABLE.get(info.error_type)
+    if data["kind"] == "same" and portable is not None:
+        error = portable(info.message)
+        if info.traceback:
+            error.add_note(traceback_note(f"rank {info.rank}", info.traceback))
+        return error
+    return RemoteStageError.from_info(info, failed_rank=info.rank)
 
 
 # -- the broadcaster ---------------------------------------------------------------------------
