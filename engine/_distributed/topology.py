@@ -498,6 +498,7 @@ def _build_local(
                 broadcaster=broadcaster,
                 loader_kwargs=loader_kwargs,
                 release=groups.destroy,
+                transport=transport,
             )
         except BaseException:
             if broadcaster is not None:
