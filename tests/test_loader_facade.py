@@ -157,3 +157,15 @@ def test_drive_refuses_a_coroutine_that_suspends() -> None:
 
     with pytest.raises(AssertionError, match="awaited outside its Runner"):
         drive(suspends())
+
+
+def test_aclose_of_a_sync_loader_closes_the_pass_on_its_own_loop() -> None:
+    loader = BalancedLoader(_steps(0, num_steps=5), config=_config(prefetch_depth=2))
+    it = iter(loader)
+    next(it)  # the pass now runs on the loader's loop thread
+    thread = loader._loop_thread
+    assert thread is not None
+    asyncio.run(loader.aclose())
+    assert loader._loop_thread is None and thread.loop.is_closed()
+    with pytest.raises(LoaderStateError, match="closed"):
+        next(it)
