@@ -13,6 +13,7 @@ import torch
 from evenflow.engine._distributed.loader import decode_error, encode_error, join_batch, split_batch
 from evenflow.engine._distributed.topology import (
     Topology,
+    _describe_error,
     _raise_on_error,
     _raise_on_mismatch,
     groups_by_node,
@@ -163,12 +164,12 @@ def test_mismatch_names_first_differing_rank_and_field() -> None:
 
 def test_build_errors_are_raised_alike_everywhere() -> None:
     ok = {"error": None}
-    bad = {"error": {"class": "config", "type": "ConfigError", "message": "seq_len bad"}}
+    bad = {"error": _describe_error(ConfigError("seq_len bad"))}
     with pytest.raises(ConfigError, match="failed on rank 1: ConfigError: seq_len bad"):
         _raise_on_error([ok, bad, ok], None)
     with pytest.raises(ConfigError, match="failed on every rank: ConfigError: seq_len bad"):
         _raise_on_error([bad, bad], None)
-    typed = {"error": {"class": "type", "type": "TypeError", "message": "not callable"}}
+    typed = {"error": _describe_error(TypeError("not callable"))}
     with pytest.raises(TypeError, match="rank 0"):
         _raise_on_error([typed, ok], None)
     _raise_on_error([ok, ok], None)

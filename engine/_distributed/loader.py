@@ -28,10 +28,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
-import json
 import math
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -39,6 +37,14 @@ import torch
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._distributed.topology import Topology
+from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
+from evenflow.engine._pipeline.loop_thread import run_coroutine
+from evenflow.engine._pipeline.parts import (
+    check_config,
+    fingerprint_of,
+    loader_identity,
+    loader_parts,
+)
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import (
     ConfigError,
@@ -50,6 +56,7 @@ from evenflow.engine.errors import (
     SourceExhaustedError,
 )
 from evenflow.transports import Transport, _wire
+from evenflow.transports._remote import RemoteErrorInfo, traceback_note
 from evenflow.transports.errors import (
     EncodeError,
     PeerFailureError,
@@ -186,45 +193,42 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def encode_error(exc: BaseException, *, rank: int, step: int) -> dict[str, Any]:
-    """Plain-data description of the constructor's failure, for its peers."""
+    """Plain-data description of the constructor's failure, for its peers.
+
+    ``kind`` is ``"same"`` for the engine's own message-only errors (the peer raises the same
+    class) and ``"remote"`` otherwise (the peer raises a ``RemoteStageError``); a
+    ``RemoteStageError`` is forwarded with its origin (rank, stage, step, traceback) intact.
+    """
     if isinstance(exc, RemoteStageError):
-        return {
-            "kind": "remote",
-            "rank": exc.failed_rank,
-            "stage": exc.stage,
-            "step": exc.step,
-            "type": exc.error_type,
-            "message": exc.remote_message,
-        }
-    name = type(exc).__name__
-    if type(exc) is _PORTABLE.get(name):
-        return {"kind": "same", "type": name, "message": str(exc)[:4000]}
-    return {
-        "kind": "remote",
-        "rank": rank,
-        "stage": "constructor",
-        "step": step,
-        "type": name,
-        "message": str(exc)[:4000],
-    }
+        return {"kind": "remote", "info": exc.to_info().to_wire()}
+    info = RemoteErrorInfo.from_exception(exc, rank=rank, stage="constructor", step=step)
+    kind = "same" if type(exc) is _PORTABLE.get(type(exc).__name__) else "remote"
+    return {"kind": kind, "info": info.to_wire()}
 
 
-def decode_error(info: Any) -> Exception:
+def decode_error(data: Any) -> Exception:
     """The exception a peer raises for :func:`encode_error`'s description."""
-    if not isinstance(info, dict):
-        return WireFormatError(f"Malformed error description {info!r:.120} in a batch header.")
-    if info.get("kind") == "same" and info.get("type") in _PORTABLE:
-        return _PORTABLE[info["type"]](str(info.get("message", "")))
     try:
-        return RemoteStageError(
-            failed_rank=int(info["rank"]),
-            stage=str(info["stage"]),
-            step=int(info["step"]),
-            error_type=str(info["type"]),
-            message=str(info["message"]),
-        )
-    except (KeyError, TypeError, ValueError):
-        return WireFormatError(f"Malformed error description {info!r:.120} in a batch header.")
+        if not isinstance(data, dict) or data.get("kind") not in ("same", "remote"):
+            raise WireFormatError(
+                f"Malformed error description {data!r:.120} in a batch header: expected a "
+                "mapping with kind 'same' or 'remote'."
+            )
+        info = RemoteErrorInfo.from_wire(data.get("info"), sender="the batch constructor")
+        if info.rank is None or info.step is None:
+            raise WireFormatError(
+                f"Malformed error description in a batch header: it names rank {info.rank!r} "
+                f"and step {info.step!r}; both must be non-negative integers."
+            )
+    except WireFormatError as exc:
+        return exc
+    portable = _PORTABLE.get(info.error_type)
+    if data["kind"] == "same" and portable is not None:
+        error = portable(info.message)
+        if info.traceback:
+            error.add_note(traceback_note(f"rank {info.rank}", info.traceback))
+        return error
+    return RemoteStageError.from_info(info, failed_rank=info.rank)
 
 
 # -- the broadcaster ---------------------------------------------------------------------------
@@ -369,24 +373,12 @@ class BatchBroadcaster:
         self._executor.shutdown(wait=True, cancel_futures=True)
 
 
-def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion from synchronous code (in a helper thread if this thread
-    already runs an event loop, e.g. the sync API called from async code)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evenflow-close") as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 # -- the loader every rank of a mesh gets --------------------------------------------------------
 
-_END: Any = object()
 FOLLOWER_STATE_FORMAT = "evenflow.follower"
 
 
-class DistributedLoader:
+class DistributedLoader(LoaderFacade):
     """The loader :func:`~evenflow.engine.build_loader` returns: ``BalancedLoader``'s API on
     every rank of a mesh.
 
@@ -397,11 +389,14 @@ class DistributedLoader:
     and errors reach followers in the same message stream, so they stop or raise at the same
     step. Every rank of a model-parallel group must iterate the same way (both sync or both
     async) and the same number of steps, and call ``set_epoch`` / ``load_state_dict`` at the
-    same points. A follower's ``last_stats`` is always None.
+    same points. A follower's ``last_stats`` is always None. The lifecycle (modes, closing,
+    misuse errors) is ``BalancedLoader``'s, from the same :class:`LoaderFacade`.
 
     Limit: the constructor sends a batch when its caller takes it, so a follower's ``next()``
     waits for the constructor's; model-parallel peers run in lockstep anyway.
     """
+
+    _reopen_hint = "build a new one"
 
     def __init__(
         self,
@@ -415,6 +410,7 @@ class DistributedLoader:
         identity: dict[str, Any],
         release: Callable[[], None],
     ) -> None:
+        super().__init__()
         self._topology = topology
         self._config = config
         self._inner = inner
@@ -423,8 +419,6 @@ class DistributedLoader:
         self._stager = stager
         self._identity = identity
         self._release_groups = release
-        self._mode: str | None = None
-        self._closed = False
         # Follower-side position; constructors read theirs from the inner loader.
         self._epoch = 0
         self._step = 0
@@ -463,32 +457,26 @@ class DistributedLoader:
         broadcaster: BatchBroadcaster | None,
         loader_kwargs: dict[str, Any],
         release: Callable[[], None],
+        transport: str,
     ) -> DistributedLoader:
-        from evenflow.engine._pipeline.h2d import DeviceStager
-        from evenflow.engine._pipeline.loader import BalancedLoader
-
+        """A follower of ``topology``'s constructor. ``loader_kwargs`` are validated exactly as
+        the constructor's ``BalancedLoader`` validates them, and the identity is the
+        constructor's (same function, same planner, group and transport name; ``transport``
+        is the build's transport name, ``"gloo"`` or ``"device"``)."""
         if broadcaster is None:
             raise ValueError("A follower rank needs the broadcast group of its constructor.")
-        # A never-iterated loader validates the arguments exactly as the constructor's does
-        # and yields the identity that the build agreement compares.
-        shadow = BalancedLoader((), config=config, **loader_kwargs)
-        try:
-            identity = {**shadow.identity(), "group": list(topology.balance_group)}
-        finally:
-            shadow.close()
-        stager = DeviceStager(
-            loader_kwargs.get("device"),
-            move_fn=loader_kwargs.get("move_fn"),
-            cpu_fields=tuple(loader_kwargs.get("cpu_fields", ())),
-        )
+        group = topology.balance_group
+        parts = loader_parts(check_config(config), num_ranks=len(group), **loader_kwargs)
+        # build_loader gives a balance group of one rank a local transport.
+        name = "local" if len(group) == 1 else transport
         return cls(
             topology=topology,
             config=config,
             inner=None,
             transport=None,
             broadcaster=broadcaster,
-            stager=stager,
-            identity=identity,
+            stager=parts.stager,
+            identity=loader_identity(config, parts.planner, group, name),
             release=release,
         )
 
@@ -542,9 +530,7 @@ class DistributedLoader:
         return dict(self._identity)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(
-            json.dumps(self._identity, sort_keys=True, default=str).encode()
-        ).hexdigest()[:24]
+        return fingerprint_of(self._identity)
 
     def trace_summary(self) -> dict[str, Any]:
         return self._inner.trace_summary() if self._inner is not None else {}
@@ -566,151 +552,59 @@ class DistributedLoader:
             f"group={list(self.group_ranks)} mp={list(self.mp_ranks)} step={self.step}>"
         )
 
-    # -- sync iteration ------------------------------------------------------------------------
+    # -- the entry points' bodies (LoaderFacade writes the sync and async forms) ---------------
 
-    def __iter__(self) -> DistributedLoader:
-        self._enter("sync")
-        return self
-
-    def __next__(self) -> Any:
-        self._enter("sync")
+    async def _produce(self, run: Runner) -> Any:
         self._check_pass()
         if self._inner is None:
             assert self._bc is not None
             if self._pass_state == "end":
-                raise StopIteration
-            result = self._accept(*self._bc.call(self._receive))
-            if result is _END:
-                raise StopIteration
-            return result
+                return END
+            return self._accept(*(await self._broadcast(run, self._receive)))
         try:
-            batch = next(self._inner)
-        except StopIteration:
-            self._announce_sync("end", None)
-            raise
+            batch = await self._inner._next(run.blocking)
         except Exception as exc:
-            self._announce_sync("error", exc)
+            await self._announce(run, "error", exc)
             raise
+        if batch is END:
+            await self._announce(run, "end", None)
+            return END
         if self._bc is not None:
-            header = self._header("ok", None)
+            send = functools.partial(
+                self._bc.send, self._header("ok", None), self._inner.last_host_batch
+            )
             try:
-                self._bc.call(functools.partial(self._bc.send, header, self._inner.last_host_batch))
+                await self._broadcast(run, send)
             except EncodeError as exc:  # raised before anything was sent
-                self._announce_sync("error", exc)
+                await self._announce(run, "error", exc)
                 raise
         return batch
 
-    def prefetch_plan(self) -> None:
-        """See ``BalancedLoader.prefetch_plan``; a no-op on followers."""
+    async def _prefetch_until(self, goal: str, run: Runner) -> None:
+        # A follower has no launch points of its own; its constructor's loader does.
         if self._inner is not None:
-            self._inner.prefetch_plan()
+            await self._inner._prefetch(goal, run.blocking)
 
-    def prefetch(self) -> None:
-        """See ``BalancedLoader.prefetch``; a no-op on followers."""
+    async def _restart(self, epoch: int, run: Runner) -> None:
+        """A new pass at ``epoch`` on every rank of the model-parallel group."""
         if self._inner is not None:
-            self._inner.prefetch()
-
-    def __enter__(self) -> DistributedLoader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the loader, its transport and broadcast, and destroy the groups built for it."""
-        if self._closed:
-            return
-        if self._mode == "async":
-            raise LoaderStateError(
-                "This loader is iterated asynchronously; use 'await loader.aclose()' or "
-                "'async with loader:'."
-            )
-        self._closed = True
-        try:
-            if self._inner is not None:
-                self._inner.close()
-            if self._transport is not None:
-                run_coroutine(self._transport.aclose())
-        finally:
-            self._release()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start a new pass at ``epoch`` on every rank of the model-parallel group."""
-        self._check_epoch(epoch)
-        if self._inner is not None:
-            self._inner.set_epoch(epoch)
+            await self._inner._set_epoch(epoch, run.blocking)
         self._new_pass(epoch)
 
-    # -- async iteration ------------------------------------------------------------------------
-
-    def __aiter__(self) -> DistributedLoader:
-        self._enter("async")
-        return self
-
-    async def __anext__(self) -> Any:
-        self._enter("async")
-        self._check_pass()
-        if self._inner is None:
-            assert self._bc is not None
-            if self._pass_state == "end":
-                raise StopAsyncIteration
-            result = self._accept(*(await self._bc.acall(self._receive)))
-            if result is _END:
-                raise StopAsyncIteration
-            return result
-        try:
-            batch = await self._inner.__anext__()
-        except StopAsyncIteration:
-            await self._announce_async("end", None)
-            raise
-        except Exception as exc:
-            await self._announce_async("error", exc)
-            raise
-        if self._bc is not None:
-            header = self._header("ok", None)
-            try:
-                await self._bc.acall(
-                    functools.partial(self._bc.send, header, self._inner.last_host_batch)
-                )
-            except EncodeError as exc:
-                await self._announce_async("error", exc)
-                raise
-        return batch
-
-    async def aprefetch_plan(self) -> None:
-        if self._inner is not None:
-            await self._inner.aprefetch_plan()
-
-    async def aprefetch(self) -> None:
-        if self._inner is not None:
-            await self._inner.aprefetch()
-
-    async def __aenter__(self) -> DistributedLoader:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Async form of :meth:`close`."""
-        if self._closed:
-            return
-        self._closed = True
+    async def _release(self, run: Runner) -> None:
+        """Close the loader, its transport and broadcast, and destroy the groups built for it."""
         try:
             if self._inner is not None:
-                await self._inner.aclose()
+                await self._inner._close(run.blocking)
             if self._transport is not None:
-                await self._transport.aclose()
+                await run.once(self._transport.aclose())
         finally:
             # Joining the broadcast thread may wait for a collective in flight.
-            await asyncio.get_running_loop().run_in_executor(None, self._release)
+            await run.offload(self._release_now)
 
-    async def aset_epoch(self, epoch: int) -> None:
-        """Async form of :meth:`set_epoch`."""
-        self._check_epoch(epoch)
-        if self._inner is not None:
-            await self._inner.aset_epoch(epoch)
-        self._new_pass(epoch)
+    @property
+    def _pass_running(self) -> bool:
+        return self._inner is not None and self._inner._pass_running
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -755,29 +649,10 @@ class DistributedLoader:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _enter(self, mode: str) -> None:
-        self._check_open()
-        if self._mode is None:
-            self._mode = mode
-        elif self._mode != mode:
-            raise LoaderStateError(
-                f"This loader is iterated in {self._mode} mode; it cannot also be iterated in "
-                f"{mode} mode. Use one loader per iteration style."
-            )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderStateError("This DistributedLoader is closed; build a new one.")
-
     def _check_pass(self) -> None:
         if self._pass_state == "error":
             assert self._failure is not None
             raise self._failure
-
-    @staticmethod
-    def _check_epoch(epoch: object) -> None:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"epoch must be a non-negative integer, but got {epoch!r}.")
 
     def _new_pass(self, epoch: int) -> None:
         self._epoch, self._step = epoch, 0
@@ -793,7 +668,7 @@ class DistributedLoader:
         info = None if exc is None else encode_error(exc, rank=self._topology.rank, step=step)
         return {"status": status, "epoch": inner.epoch, "step": step, "error": info}
 
-    def _announce_sync(self, status: str, exc: BaseException | None) -> None:
+    async def _announce(self, run: Runner, status: str, exc: BaseException | None) -> None:
         """Tell the followers that this pass ended or failed (once per pass)."""
         if self._pass_state is not None:
             return
@@ -801,16 +676,12 @@ class DistributedLoader:
         if self._bc is not None:
             header = self._header(status, exc)
             with contextlib.suppress(TransportError, LoaderStateError):
-                self._bc.call(functools.partial(self._bc.send, header))
+                await self._broadcast(run, functools.partial(self._bc.send, header))
 
-    async def _announce_async(self, status: str, exc: BaseException | None) -> None:
-        if self._pass_state is not None:
-            return
-        self._pass_state, self._failure = status, exc
-        if self._bc is not None:
-            header = self._header(status, exc)
-            with contextlib.suppress(TransportError, LoaderStateError):
-                await self._bc.acall(functools.partial(self._bc.send, header))
+    async def _broadcast(self, run: Runner, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the broadcaster's thread (its group's only thread)."""
+        assert self._bc is not None
+        return self._bc.call(fn) if run.blocking else await self._bc.acall(fn)
 
     def _receive(self) -> tuple[dict[str, Any], Any, Any]:
         """On the broadcast thread: one message, staged to the device when it is a batch."""
@@ -820,7 +691,7 @@ class DistributedLoader:
         return header, batch, staged
 
     def _accept(self, header: dict[str, Any], batch: Any, staged: Any) -> Any:
-        """Deliver a received message: the batch, ``_END``, or raise the announced error."""
+        """Deliver a received message: the batch, ``END``, or raise the announced error."""
         assert self._stager is not None
         status = header.get("status")
         if (header.get("epoch"), header.get("step")) != (self._epoch, self._step):
@@ -834,7 +705,7 @@ class DistributedLoader:
             raise self._failure
         if status == "end":
             self._pass_state = "end"
-            return _END
+            return END
         if status == "error":
             self._pass_state, self._failure = "error", decode_error(header.get("error"))
             raise self._failure
@@ -845,7 +716,7 @@ class DistributedLoader:
         self._last_host = batch
         return delivered
 
-    def _release(self) -> None:
+    def _release_now(self) -> None:
         try:
             if self._bc is not None:
                 self._bc.close()

@@ -38,6 +38,7 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._validate import check_choice, check_number
 from evenflow.engine.errors import ConfigError, GroupMismatchError
 from evenflow.transports import Transport
+from evenflow.transports._remote import RemoteErrorInfo, traceback_note
 from evenflow.transports.errors import PeerFailureError, TransportTimeoutError, WireFormatError
 
 if TYPE_CHECKING:
@@ -497,6 +498,7 @@ def _build_local(
                 broadcaster=broadcaster,
                 loader_kwargs=loader_kwargs,
                 release=groups.destroy,
+                transport=transport,
             )
         except BaseException:
             if broadcaster is not None:
@@ -635,29 +637,29 @@ def _gather(group: Any, rank: int, record: dict[str, Any]) -> list[dict[str, Any
     return out
 
 
-def _describe_error(exc: BaseException | None) -> dict[str, str] | None:
+def _describe_error(exc: BaseException | None) -> dict[str, Any] | None:
     if exc is None:
         return None
-    return {
-        "class": "type" if isinstance(exc, TypeError) else "config",
-        "type": type(exc).__name__,
-        "message": str(exc)[:4000],
-    }
+    return RemoteErrorInfo.from_exception(exc, rank=None, stage="build", step=None).to_wire()
 
 
 def _raise_on_error(records: list[dict[str, Any]], local: BaseException | None) -> None:
     """Raise the same error on every rank if any rank failed to build."""
-    failed = [(r, rec["error"]) for r, rec in enumerate(records) if rec.get("error")]
+    failed = [
+        (r, RemoteErrorInfo.from_wire(rec["error"], sender=f"rank {r}"))
+        for r, rec in enumerate(records)
+        if rec.get("error")
+    ]
     if not failed:
         return
     first, info = failed[0]
-    everywhere = len(failed) == len(records) and all(
-        e["message"] == info["message"] for _, e in failed
-    )
+    everywhere = len(failed) == len(records) and all(e.message == info.message for _, e in failed)
     where = "every rank" if everywhere else f"rank {first}"
     others = "" if everywhere or len(failed) == 1 else f" (ranks failing: {[r for r, _ in failed]})"
-    text = f"build_loader failed on {where}{others}: {info['type']}: {info['message']}"
-    error: Exception = TypeError(text) if info.get("class") == "type" else ConfigError(text)
+    text = f"build_loader failed on {where}{others}: {info.summary()}"
+    error: Exception = TypeError(text) if info.derives_from(TypeError) else ConfigError(text)
+    if local is None and info.traceback:  # a failing rank has its own error as the cause
+        error.add_note(traceback_note(f"rank {first}", info.traceback))
     raise error from local
 
 

@@ -463,10 +463,12 @@ class Pipeline:
         prev, self._prev = self._prev, None
         if prev is None or prev.confirmed is None:
             return
-        for info in (p.get("error") if p else None for p in prevs):
-            if info is not None and int(info["rank"]) != self._rank and prev.error is None:
-                prev.remote = remote_error(info, self._global_ranks)
-                break
+        if prev.error is None:
+            for sender, p in enumerate(prevs):
+                info = p.get("error") if isinstance(p, dict) else None
+                if info is not None and sender != self._rank:
+                    prev.remote = remote_error(info, self._global_ranks, sender=sender)
+                    break
         if prev.error is None and prev.remote is None:
             try:
                 check_digests(prevs, prev.step, self._global_ranks)
@@ -491,8 +493,10 @@ class Pipeline:
         if "error" in statuses:
             state.terminal = True
             if state.error is None:
-                info = next(m["error"] for m in messages if m["status"] == "error")
-                state.remote = remote_error(info, self._global_ranks)
+                sender = statuses.index("error")
+                state.remote = remote_error(
+                    messages[sender].get("error"), self._global_ranks, sender=sender
+                )
             return
         if "end" in statuses:
             state.terminal = True
@@ -585,7 +589,7 @@ class Pipeline:
         if self._rank == 0:
             return
         if received.get("error") is not None:
-            state.remote = remote_error(received["error"], self._global_ranks)
+            state.remote = remote_error(received["error"], self._global_ranks, sender=0)
             state.error = state.remote
             state.error_stage = "plan"
             return

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,9 @@ import numpy as np
 from evenflow.engine._model import SampleKey, SampleMetadata, _mint_keys
 from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._plan import Plan
-from evenflow.engine.errors import GroupMismatchError, RemoteStageError
+from evenflow.engine.errors import EvenflowError, GroupMismatchError, RemoteStageError
+from evenflow.transports._remote import RemoteErrorInfo
+from evenflow.transports.errors import WireFormatError
 
 __all__ = ["ErrorInfo", "StepState", "build_message", "error_info", "peer_samples"]
 
@@ -30,27 +31,31 @@ MESSAGE_VERSION = 1
 
 
 def error_info(rank: int, stage: str, step: int, exc: BaseException) -> ErrorInfo:
-    """Plain-data description of a failure, as announced to the group."""
-    return {
-        "rank": rank,
-        "stage": stage,
-        "step": step,
-        "type": type(exc).__name__,
-        "message": str(exc)[:4000],
-        "traceback": "".join(traceback.format_exception(exc))[-4000:],
-    }
+    """Plain-data description of a failure, as announced to the group (the shared remote-error
+    format of :mod:`evenflow.transports._remote`; ``rank`` is the group rank)."""
+    return RemoteErrorInfo.from_exception(exc, rank=rank, stage=stage, step=step).to_wire()
 
 
-def remote_error(info: ErrorInfo, global_ranks: tuple[int, ...]) -> RemoteStageError:
-    rank = int(info["rank"])
-    failed = global_ranks[rank] if 0 <= rank < len(global_ranks) else rank
-    return RemoteStageError(
-        failed_rank=failed,
-        stage=str(info["stage"]),
-        step=int(info["step"]),
-        error_type=str(info["type"]),
-        message=str(info["message"]),
-    )
+def remote_error(info: object, global_ranks: tuple[int, ...], *, sender: int) -> EvenflowError:
+    """The error this rank raises for group rank ``sender``'s announced failure ``info``.
+
+    ``info`` is peer data: a malformed description, or one naming a rank outside the group,
+    becomes a ``WireFormatError`` naming the sender instead of crashing the judgement.
+    """
+    where = f"rank {global_ranks[sender]}" if 0 <= sender < len(global_ranks) else "a peer"
+    try:
+        checked = RemoteErrorInfo.from_wire(info, sender=where)
+        rank = checked.rank
+        if rank is None or not 0 <= rank < len(global_ranks):
+            raise WireFormatError(
+                f"Malformed error report from {where}: it names group rank {rank!r}, but the "
+                f"group has {len(global_ranks)} ranks. Every rank must run the same evenflow."
+            )
+        if checked.step is None:
+            raise WireFormatError(f"Malformed error report from {where}: it names no step.")
+    except WireFormatError as exc:
+        return exc
+    return RemoteStageError.from_info(checked, failed_rank=global_ranks[rank])
 
 
 @dataclass(eq=False)
