@@ -30,7 +30,7 @@ _LAZY: dict[str, str] = {
     "default_pack_fn": "evenflow.engine._pipeline.pack",
     "default_collate_fn": "evenflow.engine._pipeline.pack",
     "Tracer": "evenflow.engine._tracing.tracer",
-    "build_loader": "evenflow.engine._distributed.topology",
+    "build_loader": "evenflow.engine._distributed.build",
     "DistributedLoader": "evenflow.engine._distributed.loader",
     "StepStats": "evenflow.engine._pipeline.stats",
     "NullTracer": "evenflow.engine._tracing.tracer",

@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing, Transport, check_timeout
+from evenflow.transports._channel import Channel
 from evenflow.transports._protocol import (
     FAILED,
-    Channel,
     Protocol,
     close_owned,
     membership,

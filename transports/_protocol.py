@@ -2,7 +2,8 @@
 
 Four things live here, each once: the Gloo transport, the device transport, the
 model-parallel batch broadcast (:mod:`evenflow.transports._broadcast`) and the start-up
-agreement of ``build_loader`` are users of them.
+agreement of ``build_loader`` are users of them. :class:`~evenflow.transports._channel.Channel`
+runs the protocol's blocking form on a CPU group for all but the device transport.
 
 **Group setup.** :func:`new_group` is the only place that creates a process group. It always
 passes ``timeout=``: subgroups do not inherit the timeout of ``init_process_group``. With
@@ -39,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,11 +48,10 @@ from typing import Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
-import torch
 import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing
-from evenflow.transports._wire import _PendingFrames, decode_many, encode, encode_many
+from evenflow.transports._wire import _PendingFrames, encode, encode_many
 from evenflow.transports.errors import (
     PeerEncodeError,
     PeerFailureError,
@@ -64,7 +64,6 @@ __all__ = [
     "ERROR_TYPES",
     "FAILED",
     "FAILURE_KINDS",
-    "Channel",
     "Protocol",
     "classify_failure",
     "close_owned",
@@ -326,7 +325,8 @@ _CLOSE_ADVICE = "The group is unusable from now on; close this transport."
 class Protocol:
     """Frame building, size checks and error mapping for one member of one group.
 
-    ``advice`` ends every message of a failed collective; the default suits a transport.
+    ``advice`` ends every message of a failed collective (the default suits a transport);
+    ``label``, when given, replaces the default start of every message (:attr:`where`).
     """
 
     rank: int
@@ -335,6 +335,7 @@ class Protocol:
     name: str
     limit: int
     advice: str = _CLOSE_ADVICE
+    label: str = ""
 
     @classmethod
     def of(cls, transport: Any, limit: int) -> Protocol:
@@ -349,6 +350,8 @@ class Protocol:
 
     @property
     def where(self) -> str:
+        if self.label:
+            return self.label
         return f"Rank {self.rank} ({self.name} group, global ranks {list(self.global_ranks)})"
 
     def frame_limit_error(self, op: str, size: int, target: str) -> TransportError:
@@ -439,151 +442,3 @@ class Protocol:
             global_ranks=self.global_ranks,
             advice=self.advice,
         )
-
-
-# -- blocking operations on a CPU group -----------------------------------------------------------
-
-
-class Channel:
-    """The sizes-first protocol on one CPU (Gloo) group, blocking, on the calling thread.
-
-    Callers run it on the one thread that drives the group. After a failed collective, or
-    sizes that a peer's data cannot follow, :attr:`broken` holds the error: the group is out
-    of step for good and the caller must refuse further operations.
-    """
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        protocol: Protocol,
-        *,
-        lease: Callable[[int], npt.NDArray[np.uint8]] | None = None,
-    ) -> None:
-        self.group = group
-        self.protocol = protocol
-        #: Where received bytes land: ``lease(nbytes)`` (the Gloo transport pools them).
-        self.lease = lease or functools.partial(np.empty, dtype=np.uint8)
-        self.broken: TransportError | None = None
-
-    def collective(self, op: str, call: Callable[[], T]) -> T:
-        """Run one blocking collective (or start one); map and remember a failure."""
-        try:
-            return call()
-        except RuntimeError as exc:
-            error = self.protocol.translate(op, exc)
-            self.broken = error
-            raise error from exc
-
-    def overlapped(
-        self, op: str, start: Callable[[], dist.Work | None], local: Callable[[], T]
-    ) -> T:
-        """Start a collective (``async_op=True``), run ``local`` meanwhile, wait for it."""
-        work = self.collective(op, start)
-        assert work is not None  # async_op=True always returns a Work
-        try:
-            return local()
-        finally:
-            # Also when ``local`` failed: nothing may touch the collective's buffers, or
-            # start another operation, before it is done.
-            self.collective(op, work.wait)
-
-    def sizes(
-        self, op: str, sizes: list[int], overlap: Callable[[], None] | None = None
-    ) -> list[int]:
-        """Exchange sizes (one int64 per peer); run ``overlap`` while they are in flight."""
-        send = torch.tensor(sizes, dtype=torch.int64)
-        recv = torch.empty(self.protocol.num_ranks, dtype=torch.int64)
-        if overlap is None:
-            self.collective(op, lambda: dist.all_to_all_single(recv, send, group=self.group))
-            return [int(s) for s in recv.tolist()]
-
-        def local() -> None:
-            try:
-                overlap()
-            except Exception as exc:
-                # Our sizes are announced but their data cannot follow: the peers will wait
-                # in the data step, so the group is out of step for good.
-                self.broken = TransportError(
-                    f"{self.protocol.where}: {op} failed after announcing its sizes "
-                    f"({type(exc).__name__}: {exc}); the group is unusable, close this "
-                    f"transport.",
-                    rank=self.protocol.rank,
-                    op=op,
-                )
-                raise self.broken from exc
-
-        self.overlapped(
-            op,
-            lambda: dist.all_to_all_single(recv, send, group=self.group, async_op=True),
-            local,
-        )
-        return [int(s) for s in recv.tolist()]
-
-    def broadcast_size(self, op: str, size: int, src: int) -> int:
-        """Group rank ``src``'s announced size, on every member (``src`` passes its own)."""
-        box = torch.tensor([size], dtype=torch.int64)
-        self.collective(op, lambda: dist.broadcast(box, group=self.group, group_src=src))
-        return int(box.item())
-
-    def check(self, op: str, incoming: Sequence[int]) -> None:
-        """:meth:`Protocol.check_incoming`; refused sizes also leave the group out of step."""
-        try:
-            self.protocol.check_incoming(op, incoming)
-        except WireFormatError as exc:
-            # Our sender will enter the data step without us: the group is out of step.
-            self.broken = TransportError(str(exc), rank=self.protocol.rank, op=op)
-            raise
-
-    def broadcast_bytes(self, op: str, data: torch.Tensor, src: int) -> None:
-        """One uint8 (or any contiguous) tensor from group rank ``src``, in place."""
-        self.collective(op, lambda: dist.broadcast(data, group=self.group, group_src=src))
-
-    def all_gather(self, obj: Any, *, op: str = "all_gather") -> list[Any]:
-        """Every member's ``obj``, ordered by group rank (each decoded from the wire)."""
-        proto = self.protocol
-        n = proto.num_ranks
-        try:
-            frame = proto.encode_one(op, obj)
-            local_error: Exception | None = None
-        except Exception as exc:
-            local_error, frame = exc, np.empty(0, dtype=np.uint8)
-        incoming = self.sizes(op, [FAILED if local_error else frame.size] * n)
-        if local_error is not None:
-            raise local_error
-        self.check(op, incoming)
-        # all_to_all_single needs one input segment per peer: the frame, n times.
-        send = torch.from_numpy(frame)
-        send = send.repeat(n) if n > 1 else send
-        recv = self.lease(sum(incoming))
-        self.collective(
-            op,
-            lambda: dist.all_to_all_single(
-                torch.from_numpy(recv),
-                send,
-                output_split_sizes=incoming,
-                input_split_sizes=[frame.size] * n,
-                group=self.group,
-            ),
-        )
-        return decode_many(recv, incoming, max_frame_bytes=proto.limit)
-
-    def broadcast(self, obj: Any, src: int, *, op: str = "broadcast") -> Any:
-        """Group rank ``src``'s ``obj`` on every member (``src`` too gets a decoded copy)."""
-        proto = self.protocol
-        local_error: Exception | None = None
-        frame = np.empty(0, dtype=np.uint8)
-        if proto.rank == src:
-            try:
-                frame = proto.encode_one(op, obj)
-            except Exception as exc:
-                local_error = exc
-        announced = self.broadcast_size(op, FAILED if local_error else frame.size, src)
-        if local_error is not None:
-            raise local_error
-        incoming = [0] * proto.num_ranks
-        incoming[src] = announced
-        self.check(op, incoming)
-        data = torch.from_numpy(frame if proto.rank == src else np.empty(announced, np.uint8))
-        self.broadcast_bytes(op, data, src)
-        # src decodes its own frame too: nobody receives an alias of the caller's objects.
-        return decode_many(data.numpy(), [announced], max_frame_bytes=proto.limit)[0]
