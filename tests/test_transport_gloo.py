@@ -57,7 +57,12 @@ def _record_calls(names: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "message": str(exc), "op": getattr(exc, "op", None)}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "op": getattr(exc, "op", None),
+        "peer_rank": getattr(exc, "peer_rank", None),
+    }
 
 
 # -- functions that run inside the ranks --------------------------------------------------------
@@ -476,6 +481,9 @@ def test_peer_dying_mid_exchange_fails_survivor_promptly(pool: RankPool) -> None
     assert survivor["first"]["op"] == "exchange"
     assert "exchange" in survivor["first"]["message"]
     assert survivor["first"]["seconds"] < GROUP_TIMEOUT
+    # Gloo names the dead peer only by address; in a group of two it is the other member.
+    assert survivor["first"]["peer_rank"] == 1
+    assert "group rank 1 (global rank 1), the only other member" in survivor["first"]["message"]
     # The dead group fails the next operation at once, without touching the wire.
     assert survivor["second"]["op"] == "all_gather"
     assert survivor["second"]["seconds"] < 1.0

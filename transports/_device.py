@@ -301,6 +301,7 @@ class DeviceTransport(Transport):
                 f"group unusable ({self._broken}).",
                 rank=self.rank,
                 op=op,
+                peer_rank=self._broken.peer_rank,
             ) from self._broken
 
     def _encode_one(self, op: str, obj: Any) -> tuple[torch.Tensor, Exception | None]:

@@ -237,6 +237,7 @@ class GlooTransport(Transport):
                 f"group unusable ({broken}).",
                 rank=self.rank,
                 op=op,
+                peer_rank=broken.peer_rank,
             ) from broken
         future = asyncio.get_running_loop().run_in_executor(self._executor, work)
         try:
