@@ -13,8 +13,8 @@ if TYPE_CHECKING:
     # The names below are served lazily at run time (see __getattr__); type checkers
     # import them here so that users see the real classes and functions, never Any.
     from evenflow.engine._config import LoaderConfig
+    from evenflow.engine._distributed.build import build_loader
     from evenflow.engine._distributed.loader import DistributedLoader
-    from evenflow.engine._distributed.topology import build_loader
     from evenflow.engine._pipeline.loader import BalancedLoader
     from evenflow.engine._pipeline.pack import (
         count_loss_tokens,
@@ -56,7 +56,7 @@ _LAZY: dict[str, str] = {
     "count_loss_tokens": "evenflow.engine._pipeline.pack",
     "default_collate_fn": "evenflow.engine._pipeline.pack",
     "Tracer": "evenflow.engine._tracing",
-    "build_loader": "evenflow.engine._distributed.topology",
+    "build_loader": "evenflow.engine._distributed.build",
     "DistributedLoader": "evenflow.engine._distributed.loader",
     "StepStats": "evenflow.engine._pipeline.stats",
     "NullTracer": "evenflow.engine._tracing",

@@ -10,12 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from evenflow.engine._distributed.loader import decode_error, encode_error, join_batch, split_batch
+from evenflow.engine._distributed.build import _describe_error, _raise_on_error, _raise_on_mismatch
+from evenflow.engine._distributed.loader import decode_error, encode_error
 from evenflow.engine._distributed.topology import (
     Topology,
-    _describe_error,
-    _raise_on_error,
-    _raise_on_mismatch,
     groups_by_node,
     groups_by_size,
     mesh_layout,
@@ -29,6 +27,7 @@ from evenflow.engine.errors import (
     SourceExhaustedError,
 )
 from evenflow.transports import _wire
+from evenflow.transports._broadcast import join_batch, split_batch
 from evenflow.transports.errors import WireFormatError
 
 # -- layouts (no processes) ------------------------------------------------------------------
@@ -325,7 +324,7 @@ async def test_follower_async_iteration_and_resume() -> None:
 def test_build_loader_needs_a_distributed_world() -> None:
     import torch.distributed as dist
 
-    from evenflow.engine._distributed.topology import _startup_timeout, build_loader
+    from evenflow.engine._distributed.build import _startup_timeout, build_loader
 
     if dist.is_available() and dist.is_initialized():  # pragma: no cover - not in this suite
         pytest.skip("a process group is initialised in this process")
@@ -374,7 +373,7 @@ def _tokens(batch: Any) -> list[int]:
 
 def rank_groups(rank: int, num_ranks: int, mode: str) -> dict[str, Any]:
     """Build with node grouping from GROUP_RANK or with balance_group_size=2; run two steps."""
-    from evenflow.engine._distributed.topology import build_loader
+    from evenflow.engine._distributed.build import build_loader
 
     saved = os.environ.get("GROUP_RANK")
     if mode == "env":
@@ -413,7 +412,7 @@ def rank_mesh(rank: int, num_ranks: int, fail_at: int | None, mode: str) -> dict
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from evenflow.engine._distributed.topology import build_loader
+    from evenflow.engine._distributed.build import build_loader
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     constructor = rank % 2 == 0
@@ -471,7 +470,7 @@ def rank_build_error(rank: int, num_ranks: int, case: str) -> dict[str, str] | N
     """Every rank must raise the same error for a bad build on one or all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from evenflow.engine._distributed.topology import build_loader
+    from evenflow.engine._distributed.build import build_loader
 
     kwargs: dict[str, Any] = {}
     config = _config()

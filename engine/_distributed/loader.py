@@ -1,44 +1,27 @@
-"""Model-parallel batch broadcast: one rank builds a batch, its tp/cp/pp peers receive it.
+"""The loader every rank of a mesh gets, and the error codec of the model-parallel broadcast.
 
-Ranks that differ only in model-parallel coordinates must train on the same batch. Only the
-*constructor* of a data-parallel coordinate reads, balances and collates; after each delivered
-step it broadcasts the host (CPU) batch to its peers over a Gloo group of those ranks, which
-then copy it to their own device. The peers never touch their source.
+Ranks that differ only in model-parallel coordinates must train on the same batch: the
+*constructor* of a data-parallel coordinate reads, balances and collates, and sends each
+delivered step's host batch to its peers through the
+:class:`~evenflow.transports._broadcast.BatchBroadcaster` (its message format is described
+there). ``end`` and ``error`` messages carry no batch; they make every peer stop or raise at
+the same step as the constructor.
 
-One batch is one *message*, three kinds of collectives in a fixed order (so every member can
-size its receive buffers before the bytes arrive):
-
-1. ``broadcast`` of one int64: the header's length;
-2. ``broadcast`` of the header: a wire frame (msgpack + raw buffers, never pickle) holding the
-   status (``ok`` / ``end`` / ``error``), epoch, step, the batch's structure with every large
-   tensor replaced by an index, and each such tensor's dtype, shape and byte count;
-3. one ``broadcast`` per large tensor, sent directly from its memory as a flat byte view.
-
-Tensors below ``inline_bytes`` ride inside the header instead: one small copy is cheaper than
-one collective each. ``end`` and ``error`` messages carry no batch; they make every peer stop
-or raise at the same step as the constructor.
-
-All of a group's collectives run on one dedicated single-worker executor (two threads driving
-one Gloo group corrupt data), whether the loader is iterated synchronously or asynchronously.
+All of a group's collectives run on the broadcaster's single-worker executor (two threads
+driving one Gloo group corrupt data), whether the loader is iterated synchronously or
+asynchronously.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import functools
-import math
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import torch
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._distributed.topology import Topology
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
-from evenflow.engine._pipeline.loop_thread import run_coroutine
 from evenflow.engine._pipeline.parts import (
     check_config,
     fingerprint_of,
@@ -55,7 +38,8 @@ from evenflow.engine.errors import (
     ResumeError,
     SourceExhaustedError,
 )
-from evenflow.transports import Transport, _wire
+from evenflow.transports import Transport
+from evenflow.transports._broadcast import BatchBroadcaster
 from evenflow.transports._remote import RemoteErrorInfo, traceback_note
 from evenflow.transports.errors import (
     EncodeError,
@@ -70,25 +54,9 @@ if TYPE_CHECKING:
     from evenflow.engine._pipeline.loader import BalancedLoader
     from evenflow.engine._pipeline.stats import StepStats
 
-__all__ = [
-    "BatchBroadcaster",
-    "DistributedLoader",
-    "decode_error",
-    "encode_error",
-    "join_batch",
-    "run_coroutine",
-    "split_batch",
-]
+__all__ = ["DistributedLoader", "decode_error", "encode_error"]
 
 T = TypeVar("T")
-
-MESSAGE_VERSION = 1
-#: Tensors smaller than this travel inside the header frame.
-DEFAULT_INLINE_BYTES = 64 << 10
-#: Largest header a receiver accepts (a header holds the small tensors of one batch).
-MAX_HEADER_BYTES = 1 << 30
-#: Largest single tensor a receiver allocates.
-MAX_TENSOR_BYTES = 1 << 40
 
 # Errors a peer re-raises as the same class (their constructors take just a message).
 _PORTABLE: dict[str, type[Exception]] = {
@@ -105,88 +73,6 @@ _PORTABLE: dict[str, type[Exception]] = {
         EncodeError,
     )
 }
-
-
-# -- batch structure ---------------------------------------------------------------------------
-
-
-def split_batch(batch: Any, *, inline_bytes: int = DEFAULT_INLINE_BYTES) -> tuple[Any, list[Any]]:
-    """``(tree, tensors)``: the batch's structure, and the large tensors it refers to by index.
-
-    The tree is tagged so that it decodes unambiguously whatever the user's keys are:
-    ``["t", i]`` tensor ``i``, ``["d", keys, values]`` mapping, ``["l", items]`` list,
-    ``["u", items]`` tuple (namedtuples included), ``["v", value]`` any other wire value.
-    Large tensors are returned contiguous, on the CPU, flattened to bytes.
-    """
-    tensors: list[Any] = []
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes < inline_bytes:
-                return ["v", tensor]
-            tensors.append(tensor.contiguous())
-            return ["t", len(tensors) - 1]
-        if isinstance(value, dict):
-            return ["d", list(value.keys()), [walk(v) for v in value.values()]]
-        if isinstance(value, list):
-            return ["l", [walk(v) for v in value]]
-        if isinstance(value, tuple):
-            return ["u", [walk(v) for v in value]]
-        return ["v", value]
-
-    return walk(batch), tensors
-
-
-def join_batch(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`split_batch` (namedtuples come back as tuples, mappings as dicts)."""
-
-    def walk(node: Any) -> Any:
-        if not isinstance(node, (list, tuple)) or not node:
-            raise WireFormatError(f"Malformed batch structure node {node!r:.80}.")
-        tag = node[0]
-        if tag == "v" and len(node) == 2:
-            return node[1]
-        if tag == "t" and len(node) == 2 and isinstance(node[1], int):
-            if not 0 <= node[1] < len(tensors):
-                raise WireFormatError(f"Batch structure refers to missing tensor {node[1]}.")
-            return tensors[node[1]]
-        if tag == "d" and len(node) == 3 and len(node[1]) == len(node[2]):
-            return {k: walk(v) for k, v in zip(node[1], node[2], strict=True)}
-        if tag == "l" and len(node) == 2:
-            return [walk(v) for v in node[1]]
-        if tag == "u" and len(node) == 2:
-            return tuple(walk(v) for v in node[1])
-        raise WireFormatError(f"Malformed batch structure node {node!r:.80}.")
-
-    return walk(tree)
-
-
-def _describe(tensor: torch.Tensor) -> list[Any]:
-    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
-
-
-def _allocate(desc: Any) -> torch.Tensor:
-    """An empty tensor for a received descriptor, validated (the header is peer data)."""
-    ok = isinstance(desc, (list, tuple)) and len(desc) == 2
-    dtype = getattr(torch, desc[0], None) if ok and isinstance(desc[0], str) else None
-    shape = desc[1] if ok else None
-    if (
-        not isinstance(dtype, torch.dtype)
-        or not isinstance(shape, (list, tuple))
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
-        or math.prod(shape) * dtype.itemsize > MAX_TENSOR_BYTES
-    ):
-        raise WireFormatError(f"Malformed tensor descriptor {desc!r:.120} in a batch header.")
-    return torch.empty(tuple(shape), dtype=dtype)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory (every dtype broadcasts as bytes)."""
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 # -- errors across the broadcast -----------------------------------------------------------------
@@ -229,148 +115,6 @@ def decode_error(data: Any) -> Exception:
             error.add_note(traceback_note(f"rank {info.rank}", info.traceback))
         return error
     return RemoteStageError.from_info(info, failed_rank=info.rank)
-
-
-# -- the broadcaster ---------------------------------------------------------------------------
-
-
-class BatchBroadcaster:
-    """Messages from the constructor (``ranks[0]``) to the other ``ranks`` of one Gloo group.
-
-    ``send`` on the constructor and ``receive`` on every peer, the same number of times in the
-    same order. Blocking methods run on the broadcaster's own executor (use :meth:`call` or
-    :meth:`acall`). After a failed collective the group is dead: later calls raise at once.
-    """
-
-    def __init__(
-        self,
-        process_group: Any,
-        *,
-        ranks: tuple[int, ...],
-        rank: int,
-        timeout: float,
-        inline_bytes: int = DEFAULT_INLINE_BYTES,
-    ) -> None:
-        if rank not in ranks:
-            raise ValueError(f"rank {rank} is not a member of the broadcast group {ranks!r}.")
-        self._group = process_group
-        self._ranks = ranks
-        self._rank = rank
-        self._timeout = timedelta(seconds=timeout)
-        self._inline = inline_bytes
-        self._broken: str | None = None
-        self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"evenflow-mp-{ranks[0]}"
-        )
-
-    @property
-    def is_sender(self) -> bool:
-        return self._rank == self._ranks[0]
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self._ranks
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the broadcaster's thread and wait for it (sync callers)."""
-        self._check_open()
-        return self._executor.submit(fn).result()
-
-    async def acall(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the broadcaster's thread (async callers)."""
-        self._check_open()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderStateError("The model-parallel broadcast is closed.")
-        if self._broken is not None:
-            raise PeerFailureError(
-                f"Rank {self._rank}: the model-parallel broadcast among ranks "
-                f"{list(self._ranks)} failed earlier ({self._broken}); it cannot be used again.",
-                rank=self._rank,
-                op="broadcast",
-            )
-
-    def send(self, header: dict[str, Any], batch: Any = None) -> None:
-        """Broadcast one message (blocking). Encoding errors raise before anything is sent."""
-        assert self.is_sender, "only the constructor sends"
-        tree, tensors = split_batch(batch, inline_bytes=self._inline)
-        frame = _wire.encode(
-            {
-                **header,
-                "v": MESSAGE_VERSION,
-                "tree": tree,
-                "tensors": [_describe(t) for t in tensors],
-            }
-        )
-        payload = torch.from_numpy(frame)
-        self._collective("header size", torch.tensor([payload.numel()], dtype=torch.int64))
-        self._collective("header", payload)
-        for tensor in tensors:
-            if tensor.numel():
-                self._collective("tensor", _as_bytes(tensor))
-
-    def receive(self) -> tuple[dict[str, Any], Any]:
-        """Receive one message (blocking): ``(header, batch)``; ``batch`` is None unless ok."""
-        assert not self.is_sender, "the constructor does not receive"
-        size = torch.zeros(1, dtype=torch.int64)
-        self._collective("header size", size)
-        length = int(size.item())
-        if not 0 < length <= MAX_HEADER_BYTES:
-            self._broken = f"header size {length}"
-            raise WireFormatError(
-                f"Rank {self._rank}: received a batch header size of {length} bytes from rank "
-                f"{self._ranks[0]}, outside (0, {MAX_HEADER_BYTES}]."
-            )
-        payload = torch.empty(length, dtype=torch.uint8)
-        self._collective("header", payload)
-        try:
-            header = _wire.decode(payload.numpy())
-            if not isinstance(header, dict) or header.get("v") != MESSAGE_VERSION:
-                raise WireFormatError(
-                    f"Rank {self._rank}: a batch header from rank {self._ranks[0]} is not a "
-                    f"version {MESSAGE_VERSION} header; are all ranks running the same evenflow?"
-                )
-            tensors = [_allocate(d) for d in header.get("tensors", [])]
-        except WireFormatError as exc:
-            # The sender will broadcast tensors we cannot size: the group is out of step.
-            self._broken = str(exc)
-            raise
-        for tensor in tensors:
-            if tensor.numel():
-                self._collective("tensor", _as_bytes(tensor))
-        batch = join_batch(header.get("tree"), tensors) if header.get("status") == "ok" else None
-        return header, batch
-
-    def _collective(self, what: str, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        try:
-            dist.broadcast(tensor, src=self._ranks[0], group=self._group)
-        except RuntimeError as exc:
-            text = str(exc)
-            self._broken = text[:200]
-            lowered = text.lower()
-            cls: type[TransportError] = (
-                TransportTimeoutError
-                if "timeout" in lowered or "timed out" in lowered
-                else PeerFailureError
-            )
-            raise cls(
-                f"Rank {self._rank}: the model-parallel batch broadcast ({what}) from rank "
-                f"{self._ranks[0]} to ranks {list(self._ranks)} failed: {text}. A peer left, "
-                f"crashed or did not iterate within {self._timeout.total_seconds():g} s; every "
-                "rank of a model-parallel group must iterate the same steps.",
-                rank=self._rank,
-                op="broadcast",
-            ) from exc
-
-    def close(self) -> None:
-        """Join the broadcaster's thread. Idempotent; never waits for peers."""
-        self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 # -- the loader every rank of a mesh gets --------------------------------------------------------

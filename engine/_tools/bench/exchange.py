@@ -37,7 +37,8 @@ from typing import Any
 
 import numpy as np
 
-from evenflow.transports._gloo import GlooTransport, normalize_outgoing
+from evenflow.transports._gloo import GlooTransport
+from evenflow.transports._protocol import pack_outgoing
 from evenflow.transports._wire import encode_many
 from evenflow.transports.launch import run_ranks
 
@@ -85,8 +86,8 @@ async def _measure_size(
 
     world = dist.group.WORLD
     outgoing, per_target = _payload(rank, num_ranks, mib * _MIB, seed + mib)
-    lists = normalize_outgoing(outgoing, num_ranks)
-    wire_bytes = sum(encode_many([items for items in lists if items])[1])
+    packed = pack_outgoing(rank, outgoing)
+    wire_bytes = sum(encode_many([packed[t] for t in sorted(packed)])[1])
     sizes = torch.tensor(per_target, dtype=torch.int64)
     incoming = torch.empty(num_ranks, dtype=torch.int64)
     dist.all_to_all_single(incoming, sizes, group=world)
