@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Hashable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import msgpack
@@ -23,6 +23,7 @@ from evenflow.transports._remote import (
     one_line,
 )
 from evenflow.transports.errors import WireFormatError
+from evenflow.transports.testing import WrappedTransport
 
 SEQ_LEN = 64
 
@@ -207,31 +208,16 @@ def _fail_reading(step: int) -> None:
     raise ConfigError(f"record {step} is unreadable")
 
 
-class _GarbleErrors(Transport):
+class _GarbleErrors(WrappedTransport):
     """Delegates to an in-process member, replacing every announced error with garbage."""
 
     name: ClassVar[str] = "garble-errors"
 
-    def __init__(self, inner: Transport) -> None:
-        super().__init__(
-            rank=inner.rank,
-            num_ranks=inner.num_ranks,
-            global_ranks=inner.global_ranks,
-            timeout=inner.timeout,
-        )
-        self._inner = inner
-
     async def all_gather(self, obj: Any) -> list[Any]:
-        messages = await self._inner.all_gather(obj)
+        messages = await super().all_gather(obj)
         return [
             {**m, "error": {"rank": "?"}} if m.get("error") is not None else m for m in messages
         ]
-
-    async def broadcast(self, obj: Any, *, src: int) -> Any:
-        return await self._inner.broadcast(obj, src=src)
-
-    async def exchange(self, outgoing: Any) -> dict[Hashable, Any]:
-        return await self._inner.exchange(outgoing)
 
 
 async def _run_group(*, garble: bool) -> list[BaseException]:
