@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
+from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
 from evenflow.engine._pipeline.parts import (
     check_callables,
     check_config,
@@ -89,7 +90,7 @@ class BalancedLoader(LoaderFacade):
             move_fn=move_fn,
             stats_callback=stats_callback,
         )
-        self._source = source
+        self._source = guard_one_shot(source)
         self._config = config
         self._transport, self._owns_transport = _resolve_transport(transport, config)
         parts = loader_parts(
@@ -169,8 +170,8 @@ class BalancedLoader(LoaderFacade):
     def __len__(self) -> int:
         limit = self._config.max_steps
         try:
-            size: int | None = len(self._source)  # type: ignore[arg-type]
-        except TypeError:  # no __len__ (mypy cannot know whether the source is Sized)
+            size: int | None = len(self._source)
+        except TypeError:  # the source has no __len__
             size = None
         if limit is None and size is None:
             raise TypeError(
@@ -237,6 +238,8 @@ class BalancedLoader(LoaderFacade):
         await run.loop(pipeline.wait_until(done), pump=True)
 
     async def _restart(self, epoch: int, run: Runner) -> None:
+        if isinstance(self._source, OneShotSource):
+            self._source.check_reusable(f"set_epoch({epoch})")
         # Draining finishes the in-flight steps' collectives, which may need caller launches.
         if self._pipeline is not None:
             await run.loop(self._restart_pass(), pump=True)
