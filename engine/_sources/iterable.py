@@ -54,6 +54,7 @@ class _Stream:
         self.num_read = 0
         self.num_oversized = 0
         self.oversized_tokens = 0
+        self.exhausted = False  # the upstream raised StopIteration (never asked again)
 
     def __iter__(self) -> _Stream:
         return self
@@ -64,7 +65,15 @@ class _Stream:
             if self.leftover:
                 sample = self.leftover.popleft()
             else:
-                raw = next(self._it)
+                if self.exhausted:
+                    raise StopIteration
+                try:
+                    raw = next(self._it)
+                except StopIteration:
+                    # Remembered in the state: a stream restored after its end must not be
+                    # reopened (a data loader would start its next epoch).
+                    self.exhausted = True
+                    raise
                 if owner._batched:
                     self.leftover.extend(raw)
                     continue
@@ -219,7 +228,10 @@ class IterableSource:
         replay = 0
         if resume is not None and resume["upstream"] is None and resume["pending"] is None:
             replay = int(resume["step"])
-        stream = _Stream(self, self._open(None if resume is None else resume["upstream"]))
+        ended = resume is not None and bool((resume["counters"] or {}).get("exhausted"))
+        upstream = iter(()) if ended else self._open(None if resume is None else resume["upstream"])
+        stream = _Stream(self, upstream)
+        stream.exhausted = ended
         if resume is not None and resume["pending"] is not None:
             buffered = _wire.decode(resume["pending"])
             packer.pending = [((s, int(n)), int(n)) for s, n in buffered["items"]]
@@ -294,6 +306,7 @@ class IterableSource:
                 "read": stream.num_read,
                 "oversized": stream.num_oversized,
                 "oversized_tokens": stream.oversized_tokens,
+                "exhausted": stream.exhausted,
             }
         return state
 
