@@ -23,7 +23,6 @@ step's worth) is the *remainder*, which the caller reports.
 from __future__ import annotations
 
 import bisect
-import collections
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -68,7 +67,7 @@ class StepPacker:
             (bins_per_rank + 1) * seq_len if buffer_tokens is None else buffer_tokens
         )
         self._carry: list[Item] = []  # first-fit: the sample that closed the last step
-        self._buckets: dict[int, collections.deque[Item]] = {}  # best-fit-decreasing buffer
+        self._buckets: dict[int, list[Item]] = {}  # best-fit-decreasing buffer, by length
         self._present: list[int] = []
         self._buffered_tokens = 0
         self._buffered_count = 0
@@ -131,7 +130,7 @@ class StepPacker:
                 length = item[1]
                 bucket = buckets.get(length)
                 if bucket is None:
-                    buckets[length] = collections.deque((item,))
+                    buckets[length] = [item]
                     insort(present, length)
                 else:
                     bucket.append(item)
@@ -155,7 +154,7 @@ class StepPacker:
                     break  # nothing buffered fits anywhere
             length = present[k - 1]
             bucket = buckets[length]
-            payload = bucket.popleft()[0]
+            payload = bucket.pop(0)[0]  # buckets are short: most lengths occur once
             if not bucket:
                 del buckets[length]
                 del present[k - 1]
@@ -178,21 +177,11 @@ class StepPacker:
         length = item[1]
         bucket = self._buckets.get(length)
         if bucket is None:
-            bucket = self._buckets[length] = collections.deque()
+            bucket = self._buckets[length] = []
             bisect.insort(self._present, length)
         bucket.append(item)
         self._buffered_tokens += min(length, self.seq_len)
         self._buffered_count += 1
-
-    def _pop(self, length: int) -> Item:
-        bucket = self._buckets[length]
-        item = bucket.popleft()
-        if not bucket:
-            del self._buckets[length]
-            del self._present[bisect.bisect_left(self._present, length)]
-        self._buffered_tokens -= min(length, self.seq_len)
-        self._buffered_count -= 1
-        return item
 
     @property
     def pending(self) -> list[Item]:
