@@ -249,3 +249,17 @@ def test_bad_samples_name_the_dataset_index(caplog: pytest.LogCaptureFixture) ->
     single = DatasetSource(rows, seq_len=SEQ_LEN, bins_per_rank=2, oversized="single")
     alone = [b for step in single for b in step if any(len(s["input_ids"]) == 100 for s in b)]
     assert len(alone) <= 1 and all(len(b) == 1 for b in alone)
+
+
+def test_under_torch_distributed_the_ranks_must_be_given() -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match="pass rank= and num_ranks= explicitly"):
+            DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2)
+        given = DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2, rank=0, num_ranks=1)
+        assert (given.rank, given.num_ranks) == (0, 1)
+    finally:
+        dist.destroy_process_group()
