@@ -211,3 +211,16 @@ def test_metadata_fn_uses_the_measured_length() -> None:
     )
     step = next(iter(source))
     assert source.metadata_fn(step[0][0]).tokens == len(step[0][0]["input_ids"]) + 1
+
+
+def test_a_state_saved_right_after_set_epoch_starts_that_epoch_afresh() -> None:
+    source = _source("node", "best_fit_decreasing")
+    it = iter(source)
+    next(it)
+    assert source.state_dict()["pending"]  # the packer holds samples mid-pass
+    source.set_epoch(1)
+    state = source.state_dict()
+    assert (state["epoch"], state["step"], state["pending"]) == (1, 0, None)
+    restored = _source("node", "best_fit_decreasing")
+    restored.load_state_dict(state)
+    assert _pass(restored) == _pass(_source("node", "best_fit_decreasing"))

@@ -193,6 +193,7 @@ class IterableSource:
         self._epoch = check_int("epoch", epoch)
         self._step = 0
         self._resume = None
+        self._live = None  # a state saved now describes the start of the epoch
         forward = getattr(self._samples, "set_epoch", None)
         if self._kind != "factory" and callable(forward):
             forward(epoch)
@@ -200,6 +201,7 @@ class IterableSource:
     def __iter__(self) -> Iterator[list[list[Any]]]:
         resume, self._resume = self._resume, None
         self._step = 0 if resume is None else int(resume["step"])
+        self._live = None
         return self._steps(resume)
 
     def _open(self, upstream: Any) -> Iterator[Any]:
