@@ -180,6 +180,10 @@ def test_hf_lengths_come_from_arrow_columns_and_respect_an_indices_mapping() -> 
         _lengths()[i] for i in (9, 3, 5)
     ]
     assert by_list.fingerprint == DatasetSource(_rows(), seq_len=64, bins_per_rank=2).fingerprint
+    listed = [{"tokens": r["input_ids"], "n": len(r["input_ids"])} for r in rows]
+    for column in ("tokens", "n"):  # a plain list of rows: read item by item
+        source = DatasetSource(listed, seq_len=SEQ_LEN, bins_per_rank=2, length_column=column)
+        assert source.lengths.tolist() == _lengths()
     with pytest.raises(ConfigError, match=r"length_column='size' is not a column"):
         DatasetSource(ds, seq_len=SEQ_LEN, bins_per_rank=2, length_column="size")
 

@@ -79,7 +79,8 @@ def read_lengths(
         if is_hf_dataset(dataset):
             array = _hf_column(dataset, length_column)
         else:
-            array = _measure(dataset, size, lambda s: s[length_column], "length_column")
+            column = length_column
+            array = _measure(dataset, size, lambda s: _column_length(s[column]), "length_column")
     elif is_hf_dataset(dataset) and "input_ids" in dataset.column_names:
         array = _hf_column(dataset, "input_ids")
     else:
@@ -145,6 +146,11 @@ def _measure(dataset: Any, size: int, fn: Callable[[Any], Any], what: str) -> np
             )
         out[i] = value
     return out
+
+
+def _column_length(value: Any) -> Any:
+    """A length column's value: an integer as is, a token sequence by its length."""
+    return len(value) if hasattr(value, "__len__") and not isinstance(value, str) else value
 
 
 def fingerprint(lengths: npt.NDArray[np.int64]) -> str:
