@@ -32,6 +32,10 @@ if TYPE_CHECKING:
     from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
     from evenflow.engine._planning.flops import FlopsCost
     from evenflow.engine._planning.planner import Planner
+    from evenflow.engine._sources._common import IndexedSample, SourceReport
+    from evenflow.engine._sources.dataset import DatasetSource
+    from evenflow.engine._sources.iterable import IterableSource
+    from evenflow.engine._sources.packing import PackedSteps, pack_lengths
     from evenflow.engine._tracing import NullTracer, Tracer, merge_chrome_traces
 
 # Names served lazily from their modules (resolved on first access).
@@ -61,6 +65,13 @@ _LAZY: dict[str, str] = {
     "StepStats": "evenflow.engine._pipeline.stats",
     "NullTracer": "evenflow.engine._tracing",
     "merge_chrome_traces": "evenflow.engine._tracing",
+    # step sources
+    "DatasetSource": "evenflow.engine._sources.dataset",
+    "IterableSource": "evenflow.engine._sources.iterable",
+    "IndexedSample": "evenflow.engine._sources._common",
+    "SourceReport": "evenflow.engine._sources._common",
+    "PackedSteps": "evenflow.engine._sources.packing",
+    "pack_lengths": "evenflow.engine._sources.packing",
 }
 
 __all__ = [
@@ -71,13 +82,17 @@ __all__ = [
     "BinPlan",
     "ComponentCost",
     "CostModel",
+    "DatasetSource",
     "DistributedLoader",
     "FlatLayout",
     "FlopsCost",
+    "IndexedSample",
+    "IterableSource",
     "LPTAlgorithm",
     "LoaderConfig",
     "NullTracer",
     "OversizedPolicy",
+    "PackedSteps",
     "PackingConstraints",
     "Plan",
     "Planner",
@@ -85,6 +100,7 @@ __all__ = [
     "RefineAlgorithm",
     "SampleKey",
     "SampleMetadata",
+    "SourceReport",
     "StepStats",
     "TokenCost",
     "Tracer",
@@ -94,6 +110,7 @@ __all__ = [
     "default_pack_fn",
     "errors",
     "merge_chrome_traces",
+    "pack_lengths",
 ]
 
 

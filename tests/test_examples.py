@@ -42,6 +42,7 @@ def test_every_example_is_tested() -> None:
         "custom_transport.py",
         "tracing_perfetto.py",
         "resume_checkpoint.py",
+        "parallel_tokenize.py",
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -126,3 +127,23 @@ def test_resume_checkpoint(tmp_path: Path) -> None:
             "run on every rank: True"
         ) in out
     assert sorted(p.name for p in tmp_path.glob("rank*.pt")) == ["rank0.pt", "rank1.pt"]
+
+
+@pytest.mark.multiprocess
+def test_parallel_tokenize(tmp_path: Path) -> None:
+    out = _run(
+        _example("parallel_tokenize.py", "--texts", "400", "--stop-after", "3", "--workers", "2"),
+        tmp_path,
+    )
+    for mode in ("workers", "threads"):
+        steps = re.findall(rf"{mode}: rank (\d) trained (\d+) steps \((\d+) tokens\), (\d+) ", out)
+        assert sorted(int(r) for r, *_ in steps) == [0, 1], out
+        assert len({int(n) for _, n, *_ in steps}) == 1 and int(steps[0][1]) > 3, out
+        assert (
+            f"{mode}: restored the checkpoint of step 3; the rest equals the run on every rank: "
+            "True"
+        ) in out
+    # Workers and threads tokenize the same texts: the same steps come out.
+    workers = re.findall(r"workers: rank \d trained (.*)", out)
+    threads = re.findall(r"threads: rank \d trained (.*)", out)
+    assert workers == threads

@@ -1,0 +1,376 @@
+"""``DatasetSource``: steps from a map-style dataset, sharded across ranks without communication.
+
+Every epoch is planned the same way on every rank, from the lengths alone:
+
+1. the dataset indices (without the oversized ones under ``oversized="drop"``) are permuted
+   with a generator seeded by ``(seed, epoch)`` (or kept in order with ``shuffle=False``);
+2. the permuted lengths are packed into *units* of ``bins_per_rank`` bins (see ``packing``);
+3. unit ``u`` goes to rank ``u % num_ranks`` as its step ``u // num_ranks``.
+
+So every rank knows every rank's steps, the shards are disjoint, and every rank has the same
+number of steps per epoch, ``num_units // num_ranks``. What the epoch leaves unread is the
+packer's remainder (less than one unit) plus the last ``num_units % num_ranks`` units (fewer
+than ``num_ranks``): at most about ``num_ranks * bins_per_rank`` bins' worth of samples, counted
+in :attr:`DatasetSource.report` and logged at INFO when an epoch is planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from evenflow.engine._model import SampleMetadata
+from evenflow.engine._sources._common import (
+    IndexedSample,
+    LengthMemo,
+    SourceReport,
+    check_oversized,
+)
+from evenflow.engine._sources._lengths import default_length, fingerprint, read_lengths
+from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
+from evenflow.engine._validate import check_bool, check_int
+from evenflow.engine.errors import ConfigError, ResumeError
+
+__all__ = ["DatasetSource"]
+
+logger = logging.getLogger("evenflow")
+
+STATE_FORMAT = "evenflow.DatasetSource"
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    epoch: int
+    order: npt.NDArray[np.int64]  # dataset indices in stream order
+    packed: PackedSteps
+    num_steps: int
+    report: SourceReport
+
+
+class DatasetSource:
+    """Steps of ``bins_per_rank`` bins of ``seq_len`` tokens from a map-style dataset.
+
+    ``dataset``: anything with ``__len__`` and ``__getitem__`` (a list, a
+    ``torch.utils.data.Dataset``, a Hugging Face ``datasets.Dataset``); samples are fetched
+    with ``dataset.__getitems__(indices)`` when it exists (one call per step), else one
+    ``dataset[i]`` each. Lengths: ``lengths``, ``length_column`` or ``length_fn`` (at most
+    one; see the reference for the defaults), read once when the source is built.
+
+    ``rank`` / ``num_ranks``: this rank's position among the data-parallel ranks that share
+    the dataset. Without them the source is single-rank, unless ``torch.distributed`` is
+    initialised: then they are required (the data-parallel rank is not the global rank under
+    tensor or pipeline parallelism, and a wrong guess would silently duplicate data).
+
+    ``yield_indices=True`` yields :class:`IndexedSample` ``(index, tokens)`` items instead of
+    samples; :meth:`read` fetches samples by index.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        seq_len: int,
+        bins_per_rank: int,
+        rank: int | None = None,
+        num_ranks: int | None = None,
+        lengths: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
+        length_column: str | None = None,
+        length_fn: Callable[[Any], int] | None = None,
+        packer: str = "first_fit",
+        buffer_tokens: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        oversized: str = "error",
+        yield_indices: bool = False,
+        features_fn: Callable[[Any], dict[str, Any]] | None = None,
+    ) -> None:
+        if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise TypeError(
+                f"dataset must be map-style (with __len__ and __getitem__), but got "
+                f"{type(dataset).__name__}; wrap an iterable in IterableSource instead."
+            )
+        # The packer validates seq_len, bins_per_rank, packer and buffer_tokens.
+        StepPacker(
+            seq_len=seq_len, bins_per_rank=bins_per_rank, packer=packer, buffer_tokens=buffer_tokens
+        )
+        self._rank, self._num_ranks = _resolve_ranks(rank, num_ranks)
+        self._seq_len, self._bins_per_rank = seq_len, bins_per_rank
+        self._packer, self._buffer_tokens = packer, buffer_tokens
+        self._shuffle = check_bool("shuffle", shuffle)
+        self._seed = check_int("seed", seed, minimum=0)
+        self._oversized = check_oversized(oversized)
+        self._yield_indices = check_bool("yield_indices", yield_indices)
+        if features_fn is not None and not callable(features_fn):
+            raise TypeError(f"features_fn must be callable, but got {features_fn!r:.80}.")
+        self._dataset = dataset
+        self._lengths = read_lengths(
+            dataset, lengths=lengths, length_column=length_column, length_fn=length_fn
+        )
+        self._lengths.flags.writeable = False
+        self._fingerprint = fingerprint(self._lengths)
+        oversized_at = np.flatnonzero(self._lengths > seq_len)
+        if oversized_at.size and self._oversized == "error":
+            i = int(oversized_at[0])
+            raise ConfigError(
+                f"Dataset index {i} has {int(self._lengths[i])} tokens, more than seq_len="
+                f"{seq_len} ({oversized_at.size} such samples). Pass oversized='drop' to skip "
+                "them (counted in the report), oversized='single' to give each a bin alone "
+                "(with LoaderConfig.oversized_policy='single'), or filter the dataset."
+            )
+        keep = self._lengths <= seq_len if self._oversized == "drop" else None
+        self._eligible = (
+            np.arange(len(self._lengths), dtype=np.int64) if keep is None else np.flatnonzero(keep)
+        )
+        measure = length_fn if length_fn is not None else default_length
+        if length_column is not None:
+            measure = _column_measure(length_column)
+        self._memo = LengthMemo(measure, features_fn)
+        self._epoch = 0
+        self._step = 0  # steps yielded in the current epoch
+        self._start = 0  # where the next iter() starts (set by load_state_dict)
+        self._plan: _Epoch | None = None
+
+    # -- what every rank can compute -----------------------------------------------------
+
+    @property
+    def dataset(self) -> Any:
+        return self._dataset
+
+    @property
+    def lengths(self) -> npt.NDArray[np.int64]:
+        """The token count of every dataset index (read-only)."""
+        return self._lengths
+
+    @property
+    def fingerprint(self) -> str:
+        """Digest of :attr:`lengths`: ranks that read the same dataset have the same one."""
+        return self._fingerprint
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def num_ranks(self) -> int:
+        return self._num_ranks
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def step(self) -> int:
+        """Steps yielded so far in the current epoch."""
+        return self._step
+
+    @property
+    def report(self) -> SourceReport:
+        """The current epoch's step count and what it leaves unread (all ranks together)."""
+        return self._epoch_plan().report
+
+    def __len__(self) -> int:
+        """Steps per rank in the current epoch (the same on every rank)."""
+        return self._epoch_plan().num_steps
+
+    def step_indices(self, step: int, *, rank: int | None = None) -> list[npt.NDArray[np.int64]]:
+        """The dataset indices of ``rank``'s (default: this rank's) step ``step``, per bin."""
+        plan = self._epoch_plan()
+        rank = self._rank if rank is None else check_int("rank", rank, minimum=0)
+        if rank >= self._num_ranks:
+            raise ConfigError(f"rank must be < num_ranks={self._num_ranks}, but got {rank}.")
+        if not 0 <= check_int("step", step) < plan.num_steps:
+            raise ConfigError(
+                f"step must be < {plan.num_steps} (steps in epoch {plan.epoch}), but got {step}."
+            )
+        unit = step * self._num_ranks + rank
+        return [plan.order[positions] for positions in plan.packed.step(unit)]
+
+    def read(self, indices: Sequence[int]) -> list[Any]:
+        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it)."""
+        getitems = getattr(self._dataset, "__getitems__", None)
+        if callable(getitems):
+            return list(getitems(list(indices)))
+        return [self._dataset[i] for i in indices]
+
+    def metadata_fn(self, sample: Any) -> SampleMetadata:
+        """The ``metadata_fn`` for a ``BalancedLoader`` over this source: the token count the
+        source already knows (plus ``features_fn(sample)`` as features, when given)."""
+        return self._memo.metadata(sample)
+
+    # -- iteration and position ----------------------------------------------------------
+
+    def __iter__(self) -> Iterator[list[list[Any]]]:
+        """The current epoch's steps for this rank, from step 0 — or from the position
+        :meth:`load_state_dict` restored. Iterating again replays the epoch; call
+        :meth:`set_epoch` for the next one."""
+        plan = self._epoch_plan()
+        if plan.num_steps == 0:
+            raise ConfigError(
+                f"The dataset has {len(self._lengths)} samples ({int(self._lengths.sum())} "
+                f"tokens): not one step for each of num_ranks={self._num_ranks} ranks "
+                f"(bins_per_rank={self._bins_per_rank} bins of seq_len={self._seq_len}). Use "
+                "a larger dataset, fewer ranks, or smaller steps."
+            )
+        start, self._start = self._start, 0
+        self._step = start
+        return self._steps(plan, start)
+
+    def _steps(self, plan: _Epoch, start: int) -> Iterator[list[list[Any]]]:
+        for step in range(start, plan.num_steps):
+            bins = self.step_indices(step)
+            sizes = [len(b) for b in bins]
+            flat = np.concatenate(bins)
+            tokens = self._lengths[flat].tolist()
+            if self._yield_indices:
+                items: list[Any] = [
+                    IndexedSample(i, n) for i, n in zip(flat.tolist(), tokens, strict=True)
+                ]
+            else:
+                items = self.read(flat.tolist())
+                self._memo.remember(items, tokens)
+            out, at = [], 0
+            for size in sizes:
+                out.append(items[at : at + size])
+                at += size
+            self._step = step + 1
+            yield out
+
+    def set_epoch(self, epoch: int) -> None:
+        """Plan epoch ``epoch`` (its own permutation); the next iteration starts at step 0."""
+        self._epoch = check_int("epoch", epoch)
+        self._step = self._start = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position (epoch, steps yielded) and what must match on restore (plain data)."""
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "step": self._step,
+            **self._identity(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at a saved position: the next iteration yields the steps after it, bitwise
+        the same (the epoch's packing is recomputed from the lengths and the seed)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ResumeError(
+                f"A DatasetSource state must be the dict its state_dict() returned, but got "
+                f"{state!r:.120}."
+            )
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(
+                f"The state has version {state.get('version')!r}; this evenflow reads "
+                f"version {STATE_VERSION}."
+            )
+        for key, value in self._identity().items():
+            if state.get(key) != value:
+                raise ResumeError(
+                    f"The state was saved with {key}={state.get(key)!r}, but this source has "
+                    f"{key}={value!r}; restore with the same dataset, seed, ranks and packing."
+                )
+        epoch, step = state.get("epoch"), state.get("step")
+        for name, value in (("epoch", epoch), ("step", step)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ResumeError(f"state[{name!r}] must be a non-negative integer, got {value!r}.")
+        assert isinstance(epoch, int) and isinstance(step, int)
+        self.set_epoch(epoch)
+        if step > len(self):
+            raise ResumeError(
+                f"The state is at step {step}, beyond the {len(self)} steps of epoch {epoch}."
+            )
+        self._step = self._start = step
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "seed": self._seed,
+            "rank": self._rank,
+            "num_ranks": self._num_ranks,
+            "num_samples": len(self._lengths),
+            "lengths_fingerprint": self._fingerprint,
+            "packing": {
+                "seq_len": self._seq_len,
+                "bins_per_rank": self._bins_per_rank,
+                "packer": self._packer,
+                "buffer_tokens": self._buffer_tokens,
+                "oversized": self._oversized,
+                "shuffle": self._shuffle,
+            },
+        }
+
+    # -- planning ------------------------------------------------------------------------
+
+    def _epoch_plan(self) -> _Epoch:
+        plan = self._plan
+        if plan is not None and plan.epoch == self._epoch:
+            return plan
+        epoch = self._epoch
+        order = self._eligible
+        if self._shuffle:
+            rng = np.random.default_rng([self._seed, epoch])
+            order = order[rng.permutation(order.size)]
+        packed = pack_lengths(
+            self._lengths[order],
+            seq_len=self._seq_len,
+            bins_per_rank=self._bins_per_rank,
+            packer=self._packer,
+            buffer_tokens=self._buffer_tokens,
+        )
+        num_steps = packed.num_steps // self._num_ranks
+        delivered = order[
+            packed.items[: packed.bin_offsets[num_steps * self._num_ranks * self._bins_per_rank]]
+        ]
+        report = SourceReport(
+            epoch=epoch,
+            num_steps=num_steps,
+            num_samples=len(self._lengths),
+            num_dropped_samples=len(self._lengths) - delivered.size,
+            num_dropped_tokens=int(self._lengths.sum() - self._lengths[delivered].sum()),
+            num_oversized_dropped=len(self._lengths) - self._eligible.size,
+        )
+        plan = self._plan = _Epoch(epoch, order, packed, num_steps, report)
+        logger.info("%s", report.log_line(f"DatasetSource (rank {self._rank}/{self._num_ranks})"))
+        return plan
+
+    def __repr__(self) -> str:
+        return (
+            f"<DatasetSource {len(self._lengths)} samples rank={self._rank}/{self._num_ranks} "
+            f"epoch={self._epoch} step={self._step}>"
+        )
+
+
+def _column_measure(column: str) -> Callable[[Any], int]:
+    def measure(sample: Any) -> int:
+        value = sample[column]
+        return len(value) if hasattr(value, "__len__") else int(value)
+
+    return measure
+
+
+def _resolve_ranks(rank: int | None, num_ranks: int | None) -> tuple[int, int]:
+    if rank is None and num_ranks is None:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            raise ConfigError(
+                "torch.distributed is initialised, so pass rank= and num_ranks= explicitly: "
+                "this rank's data-parallel rank and the data-parallel size (under tensor or "
+                "pipeline parallelism they differ from the global rank and the world size)."
+            )
+        return 0, 1
+    if rank is None or num_ranks is None:
+        raise ConfigError(
+            f"Pass both rank and num_ranks (or neither), but got rank={rank!r}, "
+            f"num_ranks={num_ranks!r}."
+        )
+    check_int("num_ranks", num_ranks, minimum=1)
+    check_int("rank", rank, minimum=0)
+    if rank >= num_ranks:
+        raise ConfigError(f"rank must be < num_ranks={num_ranks}, but got rank={rank}.")
+    return rank, num_ranks

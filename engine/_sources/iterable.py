@@ -1,0 +1,386 @@
+"""``IterableSource``: steps from a stream of samples, packed as they arrive.
+
+What it wraps, and how a pass restarts and resumes:
+
+=================================  =====================================  =======================
+wrapped object                     each pass (``iter``)                   resume
+=================================  =====================================  =======================
+a factory ``f()`` or ``f(epoch)``  calls it for a fresh iterator          replays and skips
+a ``torchdata.nodes`` node         ``node.reset()``                       ``node.reset(state)``
+a re-iterable with ``state_dict``  ``iter(obj)`` (HF ``IterableDataset``,  ``obj.load_state_dict``
+and ``load_state_dict``            ``StatefulDataLoader``)
+any other re-iterable              ``iter(obj)``                          replays and skips
+=================================  =====================================  =======================
+
+A one-shot iterator (a generator object) is refused: a second pass over it would yield nothing.
+The state of a stateful stream also holds the samples the packer has buffered but not yet
+delivered (at most one under ``"first_fit"``; fewer than ``buffer_tokens + seq_len`` tokens under
+``"best_fit_decreasing"``; plus the rest of the current upstream batch with ``batched=True``),
+encoded with the wire format, so they must be plain data, numpy arrays or tensors.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from evenflow.engine._model import SampleMetadata
+from evenflow.engine._sources._common import LengthMemo, SourceReport, check_oversized
+from evenflow.engine._sources._lengths import default_length
+from evenflow.engine._sources.packing import Item, StepPacker
+from evenflow.engine._validate import check_bool, check_int
+from evenflow.engine.errors import ConfigError, ResumeError
+from evenflow.transports import _wire
+
+__all__ = ["IterableSource"]
+
+logger = logging.getLogger("evenflow")
+
+STATE_FORMAT = "evenflow.IterableSource"
+STATE_VERSION = 1
+
+
+class _Stream:
+    """The upstream iterator as ``(sample, length)`` items, checked, with its own buffer."""
+
+    def __init__(self, owner: IterableSource, iterator: Iterator[Any]) -> None:
+        self._owner = owner
+        self._it = iterator
+        self.leftover: collections.deque[Any] = collections.deque()  # rest of a batch
+        self.num_read = 0
+        self.num_oversized = 0
+        self.oversized_tokens = 0
+        self.exhausted = False  # the upstream raised StopIteration (never asked again)
+
+    def __iter__(self) -> _Stream:
+        return self
+
+    def __next__(self) -> Item:
+        owner = self._owner
+        while True:
+            if self.leftover:
+                sample = self.leftover.popleft()
+            else:
+                if self.exhausted:
+                    raise StopIteration
+                try:
+                    raw = next(self._it)
+                except StopIteration:
+                    # Remembered in the state: a stream restored after its end must not be
+                    # reopened (a data loader would start its next epoch).
+                    self.exhausted = True
+                    raise
+                if owner._batched:
+                    self.leftover.extend(raw)
+                    continue
+                sample = raw
+            position = self.num_read
+            self.num_read += 1
+            length = owner._measure(sample)
+            if isinstance(length, bool) or not isinstance(length, int):
+                raise TypeError(
+                    f"length_fn returned {length!r:.80} ({type(length).__name__}) for sample "
+                    f"{position} of epoch {owner._epoch}'s stream; it must return an int."
+                )
+            if length < 1:
+                raise ConfigError(
+                    f"Sample {position} of epoch {owner._epoch}'s stream has length {length}; "
+                    "every sample needs at least 1 token. Filter empty samples upstream."
+                )
+            if length > owner._seq_len:
+                if owner._oversized == "error":
+                    raise ConfigError(
+                        f"Sample {position} of epoch {owner._epoch}'s stream has {length} "
+                        f"tokens, more than seq_len={owner._seq_len}. Pass oversized='drop' "
+                        "to skip such samples (counted in the report) or oversized='single'."
+                    )
+                if owner._oversized == "drop":
+                    self.num_oversized += 1
+                    self.oversized_tokens += length
+                    continue
+            # The payload carries its length, so the step can tell metadata_fn without
+            # measuring the sample again.
+            return ((sample, length), length)
+
+
+class IterableSource:
+    """Steps of ``bins_per_rank`` bins of ``seq_len`` tokens from a stream of samples.
+
+    ``samples``: a factory (``lambda: ...`` or ``lambda epoch: ...`` returning a fresh
+    iterator), a Hugging Face ``IterableDataset``, a ``torchdata.nodes`` node, a
+    ``StatefulDataLoader`` or any re-iterable. Each rank wraps its own stream (shard it
+    upstream, e.g. ``datasets.distributed.split_dataset_by_node``). ``batched=True``: each
+    upstream item is a list of samples (a ``DataLoader`` batch with ``collate_fn=list``).
+    ``length_fn`` measures a sample (default: ``len(sample["input_ids"])`` or ``len``).
+
+    The number of steps of a stream is not known in advance: no ``len()``. Ranks whose
+    streams end at different steps end together at the shortest (``on_uneven_end``).
+    """
+
+    def __init__(
+        self,
+        samples: Any,
+        *,
+        seq_len: int,
+        bins_per_rank: int,
+        length_fn: Callable[[Any], int] | None = None,
+        packer: str = "first_fit",
+        buffer_tokens: int | None = None,
+        oversized: str = "error",
+        batched: bool = False,
+        features_fn: Callable[[Any], dict[str, Any]] | None = None,
+    ) -> None:
+        self._kind, self._takes_epoch = _classify(samples)
+        StepPacker(
+            seq_len=seq_len, bins_per_rank=bins_per_rank, packer=packer, buffer_tokens=buffer_tokens
+        )
+        self._samples = samples
+        self._seq_len, self._bins_per_rank = seq_len, bins_per_rank
+        self._packer, self._buffer_tokens = packer, buffer_tokens
+        self._oversized = check_oversized(oversized)
+        self._batched = check_bool("batched", batched)
+        if length_fn is not None and not callable(length_fn):
+            raise TypeError(f"length_fn must be callable, but got {length_fn!r:.80}.")
+        if features_fn is not None and not callable(features_fn):
+            raise TypeError(f"features_fn must be callable, but got {features_fn!r:.80}.")
+        measure = length_fn or default_length
+
+        def checked(sample: Any) -> Any:
+            value = measure(sample)
+            return (
+                int(value) if hasattr(value, "__index__") and not isinstance(value, bool) else value
+            )
+
+        self._measure = checked
+        self._memo = LengthMemo(measure, features_fn)
+        self._epoch = 0
+        self._step = 0
+        self._resume: dict[str, Any] | None = None
+        self._live: tuple[StepPacker, _Stream] | None = None
+        self._report: SourceReport | None = None
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the wrapped object saves its own position (else resume replays)."""
+        return self._kind in ("node", "stateful")
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def step(self) -> int:
+        """Steps yielded so far in the current pass."""
+        return self._step
+
+    @property
+    def report(self) -> SourceReport | None:
+        """What the last finished pass delivered and left unread (this rank), or ``None``."""
+        return self._report
+
+    def metadata_fn(self, sample: Any) -> SampleMetadata:
+        """The ``metadata_fn`` for a ``BalancedLoader`` over this source (the length the source
+        measured, plus ``features_fn(sample)`` as features when given)."""
+        return self._memo.metadata(sample)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start epoch ``epoch`` at its beginning; forwarded to the wrapped object's
+        ``set_epoch`` where it has one (a factory taking an argument receives it instead)."""
+        self._epoch = check_int("epoch", epoch)
+        self._step = 0
+        self._resume = None
+        self._live = None  # a state saved now describes the start of the epoch
+        forward = getattr(self._samples, "set_epoch", None)
+        if self._kind != "factory" and callable(forward):
+            forward(epoch)
+
+    def __iter__(self) -> Iterator[list[list[Any]]]:
+        resume, self._resume = self._resume, None
+        self._step = 0 if resume is None else int(resume["step"])
+        self._live = None
+        return self._steps(resume)
+
+    def _open(self, upstream: Any) -> Iterator[Any]:
+        samples = self._samples
+        if self._kind == "factory":
+            made = samples(self._epoch) if self._takes_epoch else samples()
+            if not hasattr(made, "__iter__"):
+                raise TypeError(
+                    f"The factory returned {type(made).__name__}, not an iterator of samples."
+                )
+            return iter(made)
+        if self._kind == "node":
+            samples.reset(upstream)
+            return samples  # type: ignore[no-any-return]
+        if upstream is not None:
+            samples.load_state_dict(upstream)
+        return iter(samples)
+
+    def _steps(self, resume: dict[str, Any] | None) -> Iterator[list[list[Any]]]:
+        packer = StepPacker(
+            seq_len=self._seq_len,
+            bins_per_rank=self._bins_per_rank,
+            packer=self._packer,
+            buffer_tokens=self._buffer_tokens,
+        )
+        replay = 0
+        if resume is not None and resume["upstream"] is None and resume["pending"] is None:
+            replay = int(resume["step"])
+        ended = resume is not None and bool((resume["counters"] or {}).get("exhausted"))
+        upstream = iter(()) if ended else self._open(None if resume is None else resume["upstream"])
+        stream = _Stream(self, upstream)
+        stream.exhausted = ended
+        if resume is not None and resume["pending"] is not None:
+            buffered = _wire.decode(resume["pending"])
+            packer.pending = [((s, int(n)), int(n)) for s, n in buffered["items"]]
+            stream.leftover.extend(buffered["leftover"])
+            counters = resume["counters"]
+            stream.num_read = int(counters["read"])
+            stream.num_oversized = int(counters["oversized"])
+            stream.oversized_tokens = int(counters["oversized_tokens"])
+        for done in range(replay):  # no saved position: read and discard the consumed steps
+            if packer.next_step(stream) is None:
+                raise ResumeError(
+                    f"The stream ended after {done} steps while replaying to step {replay}; "
+                    "a stream without state must yield the same samples on every pass."
+                )
+        self._live = (packer, stream)
+        self._memo.clear()
+        while (packed := packer.next_step(stream)) is not None:
+            self._memo.remember(
+                [s for b in packed for s, _ in b], [n for b in packed for _, n in b]
+            )
+            self._step += 1
+            yield [[s for s, _ in b] for b in packed]
+        self._finish(packer, stream, resumed=resume is not None)
+
+    def _finish(self, packer: StepPacker, stream: _Stream, *, resumed: bool) -> None:
+        if not resumed and stream.num_read == 0:
+            raise ConfigError(
+                f"The wrapped {type(self._samples).__name__} yielded no samples in epoch "
+                f"{self._epoch}. An iterator that was already consumed yields nothing: pass a "
+                "factory (e.g. IterableSource(lambda: make_samples(), ...)) or a re-iterable."
+            )
+        if not resumed and self._step == 0:
+            raise ConfigError(
+                f"The stream of epoch {self._epoch} held {stream.num_read} samples: not enough "
+                f"for one step of bins_per_rank={self._bins_per_rank} bins."
+            )
+        left = packer.pending
+        self._report = SourceReport(
+            epoch=self._epoch,
+            num_steps=self._step,
+            num_samples=stream.num_read,
+            num_dropped_samples=len(left) + stream.num_oversized,
+            num_dropped_tokens=sum(n for _, n in left) + stream.oversized_tokens,
+            num_oversized_dropped=stream.num_oversized,
+        )
+        logger.info("%s", self._report.log_line("IterableSource"))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last step yielded: the epoch and step, and for a stateful
+        stream its own state plus the buffered samples (plain data; the samples as bytes)."""
+        state: dict[str, Any] = {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            "epoch": self._epoch,
+            "step": self._step,
+            "upstream": None,
+            "pending": None,
+            "counters": None,
+            "packing": self._packing(),
+        }
+        live = self._live
+        if self.stateful and live is not None:
+            packer, stream = live
+            getter = self._samples.state_dict
+            state["upstream"] = copy.deepcopy(getter())
+            buffered = {
+                "items": [list(payload) for payload, _ in packer.pending],
+                "leftover": list(stream.leftover),
+            }
+            state["pending"] = bytes(_wire.encode(buffered))
+            state["counters"] = {
+                "read": stream.num_read,
+                "oversized": stream.num_oversized,
+                "oversized_tokens": stream.oversized_tokens,
+                "exhausted": stream.exhausted,
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after a saved position on the next iteration."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ResumeError(
+                f"An IterableSource state must be the dict its state_dict() returned, but got "
+                f"{state!r:.120}."
+            )
+        if state.get("version") != STATE_VERSION:
+            raise ResumeError(f"The state has version {state.get('version')!r}; expected 1.")
+        if state.get("packing") != self._packing():
+            raise ResumeError(
+                f"The state was saved with packing {state.get('packing')!r}, but this source "
+                f"has {self._packing()!r}; restore with the same settings."
+            )
+        if (state.get("upstream") is None) == self.stateful and state.get("step"):
+            raise ResumeError(
+                "The state was saved from a "
+                + ("stateless" if self.stateful else "stateful")
+                + " stream; restore it with the same kind of wrapped object."
+            )
+        self.set_epoch(check_int("state['epoch']", state.get("epoch")))
+        check_int("state['step']", state.get("step"))
+        self._resume = state
+        self._step = int(state["step"])
+
+    def _packing(self) -> dict[str, Any]:
+        return {
+            "seq_len": self._seq_len,
+            "bins_per_rank": self._bins_per_rank,
+            "packer": self._packer,
+            "buffer_tokens": self._buffer_tokens,
+            "oversized": self._oversized,
+            "batched": self._batched,
+        }
+
+    def __repr__(self) -> str:
+        return f"<IterableSource {self._kind} epoch={self._epoch} step={self._step}>"
+
+
+def _classify(samples: Any) -> tuple[str, bool]:
+    kind = type(samples)
+    if inspect.isgenerator(samples) or (hasattr(kind, "__next__") and not hasattr(kind, "reset")):
+        raise TypeError(
+            f"samples is a one-shot iterator ({kind.__name__}): a second pass (the next epoch, "
+            "a resumed run) would yield nothing. Pass a factory instead, e.g. "
+            "IterableSource(lambda: make_samples(), ...), or a re-iterable object."
+        )
+    if hasattr(kind, "__next__") and hasattr(kind, "reset") and hasattr(kind, "state_dict"):
+        return "node", False
+    if hasattr(kind, "__iter__"):
+        stateful = hasattr(kind, "state_dict") and hasattr(kind, "load_state_dict")
+        return ("stateful" if stateful else "iterable"), False
+    if callable(samples):
+        try:
+            parameters = inspect.signature(samples).parameters.values()
+        except (TypeError, ValueError):
+            return "factory", False
+        required = [
+            p
+            for p in parameters
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if len(required) > 1:
+            raise TypeError(
+                f"A samples factory takes no argument or one (the epoch), but {samples!r:.80} "
+                f"requires {len(required)}."
+            )
+        return "factory", len(required) == 1
+    raise TypeError(
+        f"samples must be a factory, an iterable dataset, a torchdata node or a data loader, "
+        f"but got {kind.__name__}."
+    )
