@@ -33,27 +33,18 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
-from evenflow.engine._pipeline.routes import RankRoutes
+from evenflow.engine._pipeline.plan_stage import PlanStage
 from evenflow.engine._pipeline.sequencer import Sequencer
 from evenflow.engine._pipeline.source import SourceReader
-from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import (
     StepState,
     build_message,
-    check_digests,
-    error_info,
-    plan_step,
-    remote_error,
-    with_routes,
 )
-from evenflow.engine._plan import Plan, plan_from_wire, plan_to_wire
+from evenflow.engine._pipeline.verdict import confirm_prev, judge_round, prev_status
 from evenflow.engine.errors import (
-    GroupMismatchError,
     LoaderStateError,
     PlanningError,
     RemoteStageError,
-    ResumeError,
-    SourceExhaustedError,
 )
 from evenflow.transports import Transport
 from evenflow.transports.errors import (
@@ -108,6 +99,16 @@ class Pipeline:
         self._global_ranks = transport.global_ranks
         self._budget_names = tuple(sorted(config.constraints.budgets))
         self._sequencer = Sequencer(first_step)
+        self._plan_stage = PlanStage(
+            planner=planner,
+            transport=transport,
+            sequencer=self._sequencer,
+            leader=config.planning == "leader",
+            budget_names=self._budget_names,
+            cpu_executor=cpu_executor,
+            on_group_failure=self._group_failed,
+            on_local_failure=self._abort_after_local_planning_failure,
+        )
         depth = config.prefetch_depth + 1
         self._slots = asyncio.Semaphore(depth)
         self._out_send, self._out_recv = anyio.create_memory_object_stream[StepState](depth)
@@ -364,67 +365,20 @@ class Pipeline:
                 state.messages = messages
 
     def _prev_status(self) -> dict[str, Any] | None:
-        prev = self._prev
-        if prev is None:
-            return None
-        info = (
-            None
-            if prev.error is None
-            else error_info(self._rank, prev.error_stage, prev.step, prev.error)
-        )
-        digest = prev.plan.digest if prev.plan is not None else None
-        return {"step": prev.step, "error": info, "digest": digest}
+        return prev_status(self._prev, self._rank)
 
     def _confirm_prev(self, prevs: list[dict[str, Any] | None]) -> None:
         prev, self._prev = self._prev, None
-        if prev is None or prev.confirmed is None:
-            return
-        if prev.error is None:
-            for sender, p in enumerate(prevs):
-                info = p.get("error") if isinstance(p, dict) else None
-                if info is not None and sender != self._rank:
-                    prev.remote = remote_error(info, self._global_ranks, sender=sender)
-                    break
-        if prev.error is None and prev.remote is None:
-            try:
-                check_digests(prevs, prev.step, self._global_ranks)
-            except GroupMismatchError as exc:
-                prev.remote = exc
-        if not prev.confirmed.done():
-            prev.confirmed.set_result(None)
+        confirm_prev(prev, prevs, self._rank, self._global_ranks)
 
     def _judge_round(self, state: StepState, messages: list[dict[str, Any]]) -> None:
-        statuses = [m["status"] for m in messages]
-        if state.step == self.first_step:
-            firsts = [int(m["first"]) for m in messages]
-            if any(f != firsts[0] for f in firsts):
-                odd = [self._global_ranks[r] for r, f in enumerate(firsts) if f != firsts[0]]
-                state.remote = ResumeError(
-                    f"Ranks of the group start at different steps: rank "
-                    f"{self._global_ranks[0]} at step {firsts[0]}, ranks {odd} elsewhere "
-                    f"(starts {firsts}). Restore every rank from states saved at the same step."
-                )
-                state.terminal = True
-                return
-        if "error" in statuses:
-            state.terminal = True
-            if state.error is None:
-                sender = statuses.index("error")
-                state.remote = remote_error(
-                    messages[sender].get("error"), self._global_ranks, sender=sender
-                )
-            return
-        if "end" in statuses:
-            state.terminal = True
-            ended = [self._global_ranks[r] for r, s in enumerate(statuses) if s == "end"]
-            restart = any(m.get("end_reason") == "restart" for m in messages)
-            if len(ended) < len(statuses) and self._config.on_uneven_end == "raise" and not restart:
-                state.remote = SourceExhaustedError(
-                    f"The sources of ranks {ended} ended at step {state.step} while the other "
-                    f"ranks of the group still had data. Give every rank the same number of "
-                    "steps, or set on_uneven_end='stop' to end everywhere at the shortest."
-                )
-            state.status = "end"
+        judge_round(
+            state,
+            messages,
+            first_step=self.first_step,
+            global_ranks=self._global_ranks,
+            on_uneven_end=self._config.on_uneven_end,
+        )
 
     async def _group_failed(self, state: StepState, exc: BaseException, stage: str) -> None:
         """A collective failed: the group is unusable; release everything with ``exc``."""
@@ -446,25 +400,7 @@ class Pipeline:
     # -- plan ---------------------------------------------------------------------------------
 
     async def _plan(self, state: StepState) -> None:
-        if state.terminal:
-            return
-        messages = state.messages
-        leader = self._config.planning == "leader"
-        if messages is not None and (not leader or self._rank == 0):
-            loop = asyncio.get_running_loop()
-            try:
-                state.plan, state.stats, state.routes = await loop.run_in_executor(
-                    self._cpu, self._plan_sync, state.step, messages
-                )
-            except Exception as exc:
-                state.fail("plan", exc)
-                if not leader and self._transport.num_ranks > 1:
-                    await self._abort_after_local_planning_failure(state, exc)
-                    return
-        await self._sequencer.turn(state.step, "broadcast")
-        if leader:
-            await self._broadcast_plan(state)
-        await self._sequencer.advance(state.step, "broadcast")
+        await self._plan_stage.run(state)
 
     async def _abort_after_local_planning_failure(
         self, state: StepState, exc: BaseException
@@ -482,46 +418,6 @@ class Pipeline:
         with contextlib.suppress(Exception):
             await self._transport.aclose()
         await self._sequencer.fail(_Aborted("planning failed on this rank"))
-
-    def _plan_sync(
-        self, step: int, messages: list[dict[str, Any]]
-    ) -> tuple[Plan, StepStats, RankRoutes]:
-        return plan_step(
-            self._planner,
-            messages,
-            step,
-            budget_names=self._budget_names,
-            rank=self._rank,
-            group_ranks=self._global_ranks,
-        )
-
-    async def _broadcast_plan(self, state: StepState) -> None:
-        payload: dict[str, Any] | None = None
-        if self._rank == 0:
-            if state.error is not None:
-                payload = {"error": error_info(0, state.error_stage, state.step, state.error)}
-            else:
-                assert state.plan is not None
-                payload = {"plan": plan_to_wire(state.plan)}
-        try:
-            received = await self._transport.broadcast(payload, src=0)
-        except BaseException as exc:
-            await self._group_failed(state, exc, "plan")
-            return
-        if self._rank == 0:
-            return
-        if received.get("error") is not None:
-            state.remote = remote_error(received["error"], self._global_ranks, sender=0)
-            state.error = state.remote
-            state.error_stage = "plan"
-            return
-        loop = asyncio.get_running_loop()
-        state.plan, state.stats, state.routes = await loop.run_in_executor(
-            self._cpu, self._received_plan, received["plan"], state.step
-        )
-
-    def _received_plan(self, data: dict[str, Any], step: int) -> tuple[Plan, StepStats, RankRoutes]:
-        return with_routes(plan_from_wire(data, step), self._rank, self._global_ranks)
 
     # -- exchange -----------------------------------------------------------------------------
 

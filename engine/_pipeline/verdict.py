@@ -1,0 +1,93 @@
+"""The fail-together verdict: what every rank concludes from one metadata round.
+
+Each rank's metadata message carries its status for the step being read (``ok``/``end``/
+``error``) and for the previous step (its plan digest, or the error its later stages hit). Every
+rank runs the same pure functions below on the same gathered messages, so every rank reaches the
+same verdict for the same step: stop together, raise the same group-wide error together, or go
+on. Nothing here issues a collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from evenflow.engine._pipeline.step import StepState, check_digests, error_info, remote_error
+from evenflow.engine.errors import GroupMismatchError, ResumeError, SourceExhaustedError
+
+__all__ = ["confirm_prev", "judge_round", "prev_status"]
+
+
+def prev_status(prev: StepState | None, rank: int) -> dict[str, Any] | None:
+    """This rank's report on the previous step, for the next metadata message."""
+    if prev is None:
+        return None
+    info = None if prev.error is None else error_info(rank, prev.error_stage, prev.step, prev.error)
+    digest = prev.plan.digest if prev.plan is not None else None
+    return {"step": prev.step, "error": info, "digest": digest}
+
+
+def confirm_prev(
+    prev: StepState | None,
+    prevs: Sequence[dict[str, Any] | None],
+    rank: int,
+    global_ranks: tuple[int, ...],
+) -> None:
+    """Confirm ``prev`` with every rank's report on it: a peer's error or a plan digest that
+    differs becomes the step's group-wide error; the step may then be delivered (or raised)."""
+    if prev is None or prev.confirmed is None:
+        return
+    if prev.error is None:
+        for sender, p in enumerate(prevs):
+            info = p.get("error") if isinstance(p, dict) else None
+            if info is not None and sender != rank:
+                prev.remote = remote_error(info, global_ranks, sender=sender)
+                break
+    if prev.error is None and prev.remote is None:
+        try:
+            check_digests(list(prevs), prev.step, global_ranks)
+        except GroupMismatchError as exc:
+            prev.remote = exc
+    if not prev.confirmed.done():
+        prev.confirmed.set_result(None)
+
+
+def judge_round(
+    state: StepState,
+    messages: Sequence[dict[str, Any]],
+    *,
+    first_step: int,
+    global_ranks: tuple[int, ...],
+    on_uneven_end: str,
+) -> None:
+    """Decide the step ``state`` from every rank's message: mismatched restarts, a rank's error
+    and a rank's end make the step terminal on every rank alike."""
+    statuses = [m["status"] for m in messages]
+    if state.step == first_step:
+        firsts = [int(m["first"]) for m in messages]
+        if any(f != firsts[0] for f in firsts):
+            odd = [global_ranks[r] for r, f in enumerate(firsts) if f != firsts[0]]
+            state.remote = ResumeError(
+                f"Ranks of the group start at different steps: rank "
+                f"{global_ranks[0]} at step {firsts[0]}, ranks {odd} elsewhere "
+                f"(starts {firsts}). Restore every rank from states saved at the same step."
+            )
+            state.terminal = True
+            return
+    if "error" in statuses:
+        state.terminal = True
+        if state.error is None:
+            sender = statuses.index("error")
+            state.remote = remote_error(messages[sender].get("error"), global_ranks, sender=sender)
+        return
+    if "end" in statuses:
+        state.terminal = True
+        ended = [global_ranks[r] for r, s in enumerate(statuses) if s == "end"]
+        restart = any(m.get("end_reason") == "restart" for m in messages)
+        if len(ended) < len(statuses) and on_uneven_end == "raise" and not restart:
+            state.remote = SourceExhaustedError(
+                f"The sources of ranks {ended} ended at step {state.step} while the other "
+                f"ranks of the group still had data. Give every rank the same number of "
+                "steps, or set on_uneven_end='stop' to end everywhere at the shortest."
+            )
+        state.status = "end"
