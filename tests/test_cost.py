@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from testkit.models import mla_config
 
 from evenflow.engine import (
     ComponentCost,
@@ -27,17 +28,7 @@ from evenflow.engine._planning.cost import (
 )
 from evenflow.engine.errors import ConfigError, PlanningError
 
-_MLA_CONFIG: dict[str, Any] = {
-    "hidden_size": 8,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 2,
-    "intermediate_size": 16,
-    "kv_lora_rank": 4,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 2,
-    "qk_rope_head_dim": 2,
-    "v_head_dim": 4,
-}
+_MLA_CONFIG: dict[str, Any] = mla_config()
 
 
 def _metas(*tokens: int) -> list[SampleMetadata]:

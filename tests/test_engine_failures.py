@@ -17,11 +17,21 @@ import itertools
 import random
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 import pytest
+from testkit.loaders import (
+    DEADLINE,
+    SEQ_LEN,
+    IdSource,
+    evenflow_threads,
+    id_bins,
+    id_epoch_pack,
+    make_loaders,
+    run_in_threads,
+)
 
 from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.engine._planning.algorithms import LPTAlgorithm
@@ -34,31 +44,19 @@ from evenflow.transports import InProcessGroup, Transport
 from evenflow.transports.launch import RankPool
 from evenflow.transports.testing import WrappedTransport
 
-SEQ_LEN = 64
 STEPS = 6
-DEADLINE = 20.0  # seconds any single test may wait for its ranks
 
 
 # -- workload ---------------------------------------------------------------------------------
 
 
-def _bins(rank: int, step: int, epoch: int = 0) -> list[list[dict[str, Any]]]:
+def _sizes(rank: int, step: int, epoch: int = 0) -> list[list[int]]:
     """Two bins; rank 0 holds long samples on even steps, so exactly the even steps move."""
-    out, i = [], 0
-    for _ in range(2):
-        sizes = [30, 28] if rank == 0 and step % 2 == 0 else [3, 4, 2]
-        b = []
-        for n in sizes:
-            b.append(
-                {
-                    "id": (rank, step, i),
-                    "epoch": epoch,
-                    "input_ids": np.full(n, rank * 1000 + i, dtype=np.int32),
-                }
-            )
-            i += 1
-        out.append(b)
-    return out
+    return [[30, 28] if rank == 0 and step % 2 == 0 else [3, 4, 2] for _ in range(2)]
+
+
+def _bins(rank: int, step: int, epoch: int = 0) -> list[list[dict[str, Any]]]:
+    return id_bins(rank, step, _sizes(rank, step, epoch), epoch)
 
 
 def _expected_ids(num_ranks: int, step: int) -> set[tuple[int, int, int]]:
@@ -67,44 +65,8 @@ def _expected_ids(num_ranks: int, step: int) -> set[tuple[int, int, int]]:
     }
 
 
-class Source:
-    """A deterministic rank-local source with an epoch, an optional failure and a gate.
-
-    ``block_at``: reading that step waits for ``gate`` (at most ``DEADLINE`` seconds), which
-    models a source stuck on storage; tests open the gate before they return.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        *,
-        num_steps: int = STEPS,
-        block_at: int | None = None,
-        gate: threading.Event | None = None,
-    ) -> None:
-        self.rank, self.num_steps, self.block_at, self.gate = rank, num_steps, block_at, gate
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.num_steps
-
-    def __iter__(self) -> Iterator[list[list[dict[str, Any]]]]:
-        for step in range(self.num_steps):
-            if step == self.block_at and self.gate is not None:
-                self.gate.wait(DEADLINE)
-            yield _bins(self.rank, step, self.epoch)
-
-
-def _ids_pack(samples: list[dict[str, Any]], seq_len: int) -> list[tuple[int, int, int, int]]:
-    """Pack to ``(rank, step, index, epoch)`` ids, checking capacity and payload integrity."""
-    assert sum(len(s["input_ids"]) for s in samples) <= seq_len
-    for s in samples:
-        rank, _, i = s["id"]
-        assert np.all(np.asarray(s["input_ids"]) == rank * 1000 + i), "payload corrupted"
-    return [(*s["id"], s["epoch"]) for s in samples]
+def _source(rank: int, **kwargs: Any) -> IdSource:
+    return IdSource(rank, _sizes, num_steps=kwargs.pop("num_steps", STEPS), **kwargs)
 
 
 def _step_of(batch: list[list[tuple[int, ...]]]) -> int:
@@ -115,80 +77,17 @@ def _step_of(batch: list[list[tuple[int, ...]]]) -> int:
 
 
 def _loaders(
-    n: int,
-    *,
-    group: InProcessGroup | None = None,
-    sources: Sequence[Any] | None = None,
-    per_rank: Callable[[int], dict[str, Any]] | None = None,
-    **overrides: Any,
+    n: int, *, sources: Sequence[Any] | None = None, **overrides: Any
 ) -> list[BalancedLoader]:
-    group = group or InProcessGroup(n, timeout=DEADLINE)
-    fields = LoaderConfig.__dataclass_fields__
-    cfg: dict[str, Any] = {"seq_len": SEQ_LEN, "bins_per_rank": 2, "log_stats": False}
-    cfg.update({k: overrides.pop(k) for k in list(overrides) if k in fields})
-    config = LoaderConfig(**cfg)
-    sources = sources or [Source(r) for r in range(n)]
-    loaders = []
-    for r in range(n):
-        kwargs: dict[str, Any] = {"pack_fn": _ids_pack, "cost_model": "quadratic", **overrides}
-        if per_rank is not None:
-            kwargs.update(per_rank(r))
-        loaders.append(
-            BalancedLoader(sources[r], config=config, transport=group.transport(r), **kwargs)
-        )
-    return loaders
-
-
-def _run_threads(
-    loaders: Sequence[BalancedLoader],
-    body: Callable[[int, BalancedLoader], Any],
-    *,
-    deadline: float = DEADLINE,
-    release: Callable[[], None] | None = None,
-) -> tuple[list[Any], list[BaseException | None], list[bool]]:
-    """Run ``body`` for every rank on its own thread; return results, errors and who hung.
-
-    After the deadline ``release`` (e.g. opening a gate) runs and every loader is closed from
-    this thread, which cancels a blocked ``next()``; so nothing outlives the test.
-    """
-    results: list[Any] = [None] * len(loaders)
-    errors: list[BaseException | None] = [None] * len(loaders)
-
-    def main(rank: int) -> None:
-        try:
-            results[rank] = body(rank, loaders[rank])
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(len(loaders))]
-    for t in threads:
-        t.start()
-    end = time.monotonic() + deadline
-    for t in threads:
-        t.join(max(0.0, end - time.monotonic()))
-    hung = [t.is_alive() for t in threads]
-    if release is not None:
-        release()
-    for loader in loaders:
-        with contextlib.suppress(Exception):
-            loader.close()
-    for t in threads:
-        t.join(DEADLINE)
-    return results, errors, hung
+    sources = sources or [_source(r) for r in range(n)]
+    overrides.setdefault("pack_fn", id_epoch_pack)
+    return make_loaders(n, sources, **overrides)
 
 
 async def _aclose_all(loaders: Sequence[BalancedLoader]) -> None:
     for loader in loaders:
         with contextlib.suppress(Exception):
             await loader.aclose()
-
-
-def _evenflow_threads(before: set[threading.Thread] | None = None) -> list[str]:
-    """Names of live evenflow threads, leaving out those in ``before`` (earlier tests')."""
-    ignore = before or set()
-    return sorted(
-        t.name for t in threading.enumerate() if t not in ignore and t.name.startswith("evenflow")
-    )
 
 
 # -- confirmed defects --------------------------------------------------------------------------
@@ -296,7 +195,7 @@ async def test_a_planning_failure_on_one_rank_fails_every_rank_promptly() -> Non
 def _pack_failing_on_rank_1_step_2(samples: list[dict[str, Any]], seq_len: int) -> Any:
     if any(s["id"][:2] == (1, 2) for s in samples):
         raise RuntimeError("pack exploded")
-    return _ids_pack(samples, seq_len)
+    return id_epoch_pack(samples, seq_len)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -324,7 +223,7 @@ def test_next_after_a_stage_error_never_delivers_a_later_step(depth: int) -> Non
             return delivered, type(exc).__name__
         return delivered, f"delivered step {_step_of(batch)}"
 
-    results, errors, hung = _run_threads(loaders, body, deadline=5.0)
+    results, errors, hung = run_in_threads(loaders, body, deadline=5.0)
     assert hung == [False, False], "a rank hung after retrying next()"
     assert errors == [None, None]
     for delivered, after in results:
@@ -336,7 +235,7 @@ def test_next_after_a_stage_error_never_delivers_a_later_step(depth: int) -> Non
 async def test_a_cancelled_anext_loses_no_step() -> None:
     gate = threading.Event()
     # The source stalls at step 2, so step 1 waits for its confirmation (gather of step 2).
-    (loader,) = _loaders(1, sources=[Source(0, block_at=2, gate=gate)], prefetch_depth=2)
+    (loader,) = _loaders(1, sources=[_source(0, block_at=2, gate=gate)], prefetch_depth=2)
     loop = asyncio.get_running_loop()
     end = loop.time() + DEADLINE
     try:
@@ -418,7 +317,7 @@ def test_a_raising_stats_callback_loses_no_step() -> None:
             received.append(_step_of(batch))
         return received, loader.step
 
-    results, errors, hung = _run_threads(loaders, body)
+    results, errors, hung = run_in_threads(loaders, body)
     assert hung == [False, False] and errors == [None, None]
     received, step = results[0]
     assert step == len(received), f"step={step} but the caller received steps {received}"
@@ -437,7 +336,7 @@ def test_set_epoch_mid_pass_restarts_every_rank_cleanly() -> None:
         return 0.0
 
     group = InProcessGroup(2, timeout=DEADLINE, delay_fn=delay_fn)
-    sources = [Source(0), Source(1, block_at=3, gate=gate)]
+    sources = [_source(0), _source(1, block_at=3, gate=gate)]
     loaders = _loaders(2, group=group, sources=sources, prefetch_depth=1)
 
     def body(rank: int, loader: BalancedLoader) -> list[Any]:
@@ -450,7 +349,7 @@ def test_set_epoch_mid_pass_restarts_every_rank_cleanly() -> None:
             gate.set()
         return list(loader)
 
-    results, errors, hung = _run_threads(loaders, body, release=gate.set)
+    results, errors, hung = run_in_threads(loaders, body, release=gate.set)
     assert hung == [False, False]
     assert errors == [None, None], errors
     assert [len(r) for r in results] == [STEPS, STEPS], "the new pass ended early"
@@ -469,7 +368,7 @@ def test_set_epoch_after_load_state_dict_starts_the_epoch_at_step_zero() -> None
                 states.append(loader.state_dict())
         return batches, states
 
-    recorded, errors, _ = _run_threads(_loaders(2), record)
+    recorded, errors, _ = run_in_threads(_loaders(2), record)
     assert errors == [None, None]
 
     def restart(rank: int, loader: BalancedLoader) -> tuple[list[Any], int]:
@@ -479,7 +378,7 @@ def test_set_epoch_after_load_state_dict_starts_the_epoch_at_step_zero() -> None
             batches = list(loader)
             return batches, loader.step
 
-    results, errors, hung = _run_threads(_loaders(2), restart)
+    results, errors, hung = run_in_threads(_loaders(2), restart)
     assert hung == [False, False] and errors == [None, None]
     for rank in range(2):
         batches, step = results[rank]
@@ -490,7 +389,7 @@ def test_set_epoch_after_load_state_dict_starts_the_epoch_at_step_zero() -> None
 def test_a_blocked_source_fails_its_rank_within_the_timeout() -> None:
     gate = threading.Event()
     group = InProcessGroup(2, timeout=0.5)
-    sources = [Source(0), Source(1, block_at=2, gate=gate)]
+    sources = [_source(0), _source(1, block_at=2, gate=gate)]
     loaders = _loaders(2, group=group, sources=sources, prefetch_depth=1, timeout=0.5)
 
     def body(rank: int, loader: BalancedLoader) -> str:
@@ -502,7 +401,7 @@ def test_a_blocked_source_fails_its_rank_within_the_timeout() -> None:
         return "no error"
 
     # 5 s is 10x the configured timeout; the peer already fails after 0.5 s.
-    results, _, hung = _run_threads(loaders, body, deadline=5.0, release=gate.set)
+    results, _, hung = run_in_threads(loaders, body, deadline=5.0, release=gate.set)
     assert results[0] == "TransportTimeoutError"
     assert hung == [False, False], "the rank with the blocked source hung"
 
@@ -557,7 +456,7 @@ class _CallerLaunchProbe(WrappedTransport):
 def test_set_epoch_drops_launches_queued_by_the_cancelled_pass() -> None:
     probe = _CallerLaunchProbe(InProcessGroup(1, timeout=DEADLINE).transport(0))
     config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False, prefetch_depth=1)
-    loader = BalancedLoader(Source(0), config=config, transport=probe, pack_fn=_ids_pack)
+    loader = BalancedLoader(_source(0), config=config, transport=probe, pack_fn=id_epoch_pack)
 
     def body(rank: int, ld: BalancedLoader) -> int:
         next(iter(ld))
@@ -570,7 +469,7 @@ def test_set_epoch_drops_launches_queued_by_the_cancelled_pass() -> None:
         ld.set_epoch(1)
         return len(list(ld))
 
-    results, errors, hung = _run_threads([loader], body)
+    results, errors, hung = run_in_threads([loader], body)
     assert hung == [False] and errors == [None] and results == [STEPS]
     assert probe.stale == [], f"launches of the cancelled pass ran later: {probe.stale}"
 
@@ -610,7 +509,7 @@ def _rank_unencodable_payload(rank: int, num_ranks: int) -> dict[str, Any]:
 
     config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False, timeout=4.0)
     loader = BalancedLoader(
-        source(), config=config, transport=GlooTransport(timeout=4.0), pack_fn=_ids_pack
+        source(), config=config, transport=GlooTransport(timeout=4.0), pack_fn=id_epoch_pack
     )
     started, steps = time.monotonic(), 0
     outcome: dict[str, Any] = {"type": "none", "failed_rank": None, "stage": None}
@@ -712,7 +611,7 @@ async def test_aclose_in_every_phase_and_after_errors_leaks_nothing(
     await asyncio.wait_for(asyncio.gather(*(one(ld) for ld in loaders)), DEADLINE)
     current = asyncio.current_task()
     assert [t for t in asyncio.all_tasks() if t is not current] == []
-    assert _evenflow_threads(before) == []
+    assert evenflow_threads(before) == []
 
 
 @pytest.mark.asyncio
@@ -729,7 +628,7 @@ async def test_aclose_in_every_phase_and_after_errors_leaks_nothing(
 async def test_max_steps_combined_with_early_exhaustion(
     short: int, max_steps: int, policy: str, expected: Any
 ) -> None:
-    sources = [Source(0), Source(1, num_steps=short)]
+    sources = [_source(0), _source(1, num_steps=short)]
     loaders = _loaders(
         2, sources=sources, max_steps=max_steps, on_uneven_end=policy, prefetch_depth=1
     )
@@ -760,7 +659,7 @@ def test_resume_from_every_step_of_two_epochs_at_every_depth() -> None:
                     states.append(loader.state_dict())
         return batches, states
 
-    recorded, errors, _ = _run_threads(_loaders(2), record)
+    recorded, errors, _ = run_in_threads(_loaders(2), record)
     assert errors == [None, None]
     for k in range(2 * STEPS):
         depth = 1 + k % 4
@@ -770,7 +669,7 @@ def test_resume_from_every_step_of_two_epochs_at_every_depth() -> None:
                 loader.load_state_dict(recorded[rank][1][k])
                 return list(loader)
 
-        tails, errors, hung = _run_threads(_loaders(2, prefetch_depth=depth), resume)
+        tails, errors, hung = run_in_threads(_loaders(2, prefetch_depth=depth), resume)
         assert hung == [False, False] and errors == [None, None]
         for rank in range(2):
             # A state saved at the last step of epoch 0 resumes to an empty rest of epoch 0.

@@ -8,26 +8,10 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from testkit.models import mla_config
 
 from evenflow.engine import FlopsCost, SampleMetadata
 from evenflow.engine.errors import ConfigError
-
-
-def _mla(**overrides: Any) -> dict[str, Any]:
-    """The worked example: hidden 8, 1 layer, 2 heads, dense SwiGLU 16, latent attention."""
-    config: dict[str, Any] = {
-        "hidden_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "intermediate_size": 16,
-        "kv_lora_rank": 4,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": 2,
-        "qk_rope_head_dim": 2,
-        "v_head_dim": 4,
-    }
-    config.update(overrides)
-    return config
 
 
 def _gqa(**overrides: Any) -> dict[str, Any]:
@@ -58,7 +42,7 @@ class _HFConfig:
 
 
 def test_reference_vector() -> None:
-    cost = FlopsCost(_mla())
+    cost = FlopsCost(mla_config())
     assert cost.linear_flops_per_token == 1216
     assert cost.attention_flops_per_pair == 32
     meta = _meta(4, P=2, D=2)
@@ -70,11 +54,11 @@ def test_reference_vector() -> None:
 
 @pytest.mark.parametrize(("multiplier", "expected"), [(1.0, 5184.0), (4, 20736.0), (0.5, 2592.0)])
 def test_training_multiplier_scales_forward(multiplier: float, expected: float) -> None:
-    assert FlopsCost(_mla(), training_multiplier=multiplier)(_meta(4, P=2, D=2)) == expected
+    assert FlopsCost(mla_config(), training_multiplier=multiplier)(_meta(4, P=2, D=2)) == expected
 
 
 def test_without_split_the_whole_sample_is_a_causal_prefix() -> None:
-    cost = FlopsCost(_mla())
+    cost = FlopsCost(mla_config())
     assert cost.forward_flops(_meta(4)) == 1216 * 4 + 32 * 8
     assert cost.forward_flops(_meta(4, P=4, D=0)) == cost.forward_flops(_meta(4))
     assert cost.forward_flops(_meta(4, other="ignored")) == cost.forward_flops(_meta(4))
@@ -82,14 +66,14 @@ def test_without_split_the_whole_sample_is_a_causal_prefix() -> None:
 
 def test_low_rank_query_projection() -> None:
     # Q = H*Rq + Rq*A*(d_n+d_r) = 24 + 24; Proj = 48 + 8*6 + 4*2*6 + 2*4*8 = 208.
-    cost = FlopsCost(_mla(q_lora_rank=3))
+    cost = FlopsCost(mla_config(q_lora_rank=3))
     assert cost.linear_flops_per_token == 2 * (208 + 3 * 8 * 16)
     assert cost.attention_flops_per_pair == 32
 
 
 def test_latent_attention_accepts_consistent_qk_head_dim_and_ignores_head_dim() -> None:
-    base = FlopsCost(_mla())
-    other = FlopsCost(_mla(qk_head_dim=4, head_dim=2, num_key_value_heads=2))
+    base = FlopsCost(mla_config())
+    other = FlopsCost(mla_config(qk_head_dim=4, head_dim=2, num_key_value_heads=2))
     assert other.linear_flops_per_token == base.linear_flops_per_token
     assert other.model_id == base.model_id
 
@@ -271,23 +255,26 @@ def test_window_covering_the_sample_changes_nothing(
 
 
 def test_prepend_adds_one_timestep_token_only_with_generated_tokens() -> None:
-    cost = FlopsCost(_mla(diff_time_embed_mode="prepend"))
+    cost = FlopsCost(mla_config(diff_time_embed_mode="prepend"))
     # D' = 3: pairs = 2 + 3*5 = 17 over 5 positions.
     assert cost.forward_flops(_meta(4, P=2, D=2)) == 1216 * 5 + 32 * 17
     assert cost.forward_flops(_meta(4, P=4, D=0)) == 1216 * 4 + 32 * 8
     for mode in ("add", "adaln"):
-        assert FlopsCost(_mla(diff_time_embed_mode=mode)).forward_flops(_meta(4, P=2, D=2)) == 5184
+        assert (
+            FlopsCost(mla_config(diff_time_embed_mode=mode)).forward_flops(_meta(4, P=2, D=2))
+            == 5184
+        )
 
 
 def test_blockmask_adds_bidirectional_image_blocks() -> None:
-    cost = FlopsCost(_mla(attn_block_mode="blockmask"))
+    cost = FlopsCost(mla_config(attn_block_mode="blockmask"))
     meta = _meta(8, P=6, D=2, cond_image_token_lengths=[2, 3])
     pairs = 6 * 6 / 2 + 2 * 8 + 0.5 * (4 + 9)
     assert cost.forward_flops(meta) == 1216 * 8 + 32 * pairs
     no_images = _meta(8, P=6, D=2, cond_image_token_lengths=[])
     assert cost.forward_flops(no_images) == 1216 * 8 + 32 * (18 + 16)
     # In the default "tail" mode the run lengths are not used.
-    assert FlopsCost(_mla()).forward_flops(meta) == cost.forward_flops(no_images)
+    assert FlopsCost(mla_config()).forward_flops(meta) == cost.forward_flops(no_images)
 
 
 def test_modes_are_read_from_the_top_level_and_backbone_from_text_config() -> None:
@@ -295,20 +282,20 @@ def test_modes_are_read_from_the_top_level_and_backbone_from_text_config() -> No
         "hidden_size": 999,
         "attn_block_mode": "blockmask",
         "diff_time_embed_mode": "prepend",
-        "text_config": _mla(),
+        "text_config": mla_config(),
     }
     cost = FlopsCost(nested)
     assert cost.linear_flops_per_token == 1216
     meta = _meta(4, P=2, D=2, cond_image_token_lengths=[2])
     assert cost.forward_flops(meta) == 1216 * 5 + 32 * (17 + 2)
-    inner_modes = FlopsCost({"text_config": _mla(attn_block_mode="blockmask")})
+    inner_modes = FlopsCost({"text_config": mla_config(attn_block_mode="blockmask")})
     assert inner_modes.forward_flops(meta) == 5184
 
 
 def test_configuration_objects_with_to_dict() -> None:
-    direct = FlopsCost(_mla())
-    assert FlopsCost(_HFConfig(_mla())).model_id == direct.model_id
-    wrapped = FlopsCost({"text_config": _HFConfig(_mla())})
+    direct = FlopsCost(mla_config())
+    assert FlopsCost(_HFConfig(mla_config())).model_id == direct.model_id
+    wrapped = FlopsCost({"text_config": _HFConfig(mla_config())})
     assert wrapped.model_id == direct.model_id
     assert wrapped(_meta(4, P=2, D=2)) == 15552
 
@@ -317,14 +304,14 @@ def test_configuration_objects_with_to_dict() -> None:
 
 
 def test_model_id_format_and_sensitivity() -> None:
-    base = FlopsCost(_mla())
+    base = FlopsCost(mla_config())
     assert re.fullmatch(r"flops-v1-[0-9a-f]{16}", base.model_id)
-    reordered = FlopsCost(dict(reversed(list(_mla().items()))))
+    reordered = FlopsCost(dict(reversed(list(mla_config().items()))))
     assert reordered.model_id == base.model_id
-    assert FlopsCost(_mla(), training_multiplier=1.0).model_id != base.model_id
-    assert FlopsCost(_mla(intermediate_size=17)).model_id != base.model_id
-    assert FlopsCost(_mla(q_lora_rank=3)).model_id != base.model_id
-    assert FlopsCost(_mla(diff_time_embed_mode="prepend")).model_id != base.model_id
+    assert FlopsCost(mla_config(), training_multiplier=1.0).model_id != base.model_id
+    assert FlopsCost(mla_config(intermediate_size=17)).model_id != base.model_id
+    assert FlopsCost(mla_config(q_lora_rank=3)).model_id != base.model_id
+    assert FlopsCost(mla_config(diff_time_embed_mode="prepend")).model_id != base.model_id
     assert base.model_id in repr(base)
 
 
@@ -338,7 +325,7 @@ def test_resolved_fields_is_a_copy() -> None:
 
 
 def test_metadata_and_config_are_never_mutated() -> None:
-    config = {"attn_block_mode": "blockmask", "text_config": _mla()}
+    config = {"attn_block_mode": "blockmask", "text_config": mla_config()}
     config_before = copy.deepcopy(config)
     cost = FlopsCost(config)
     runs = [1, 2]
@@ -362,20 +349,20 @@ def _without(config: dict[str, Any], *keys: str) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("config", "match"),
     [
-        (_without(_mla(), "hidden_size"), r"missing \['hidden_size'\]"),
+        (_without(mla_config(), "hidden_size"), r"missing \['hidden_size'\]"),
         (_without(_gqa(), "num_hidden_layers", "num_attention_heads"), "num_hidden_layers"),
-        (_mla(hidden_size=True), r"\['hidden_size'\] must be an integer >= 1.*True"),
-        (_mla(hidden_size=8.0), r"\['hidden_size'\].*8\.0"),
-        (_mla(num_hidden_layers=0), r"num_hidden_layers'\] must be an integer >= 1"),
-        (_mla(num_attention_heads=None), "num_attention_heads"),
-        (_without(_mla(), "qk_rope_head_dim"), r"missing \['qk_rope_head_dim'\].*latent"),
-        (_without(_mla(), "q_lora_rank"), r"missing \['q_lora_rank'\].*None"),
-        (_without(_mla(), "v_head_dim", "qk_nope_head_dim"), "qk_nope_head_dim.*v_head_dim"),
-        (_mla(q_lora_rank=0), r"q_lora_rank'\] must be an integer >= 1"),
-        (_mla(kv_lora_rank=-1), r"kv_lora_rank'\] must be an integer >= 1"),
-        (_mla(qk_nope_head_dim=0, qk_rope_head_dim=0), "must be > 0"),
-        (_mla(qk_head_dim=5), r"qk_head_dim'\] must equal .* = 4, but got 5"),
-        (_mla(v_head_dim=2.5), "v_head_dim"),
+        (mla_config(hidden_size=True), r"\['hidden_size'\] must be an integer >= 1.*True"),
+        (mla_config(hidden_size=8.0), r"\['hidden_size'\].*8\.0"),
+        (mla_config(num_hidden_layers=0), r"num_hidden_layers'\] must be an integer >= 1"),
+        (mla_config(num_attention_heads=None), "num_attention_heads"),
+        (_without(mla_config(), "qk_rope_head_dim"), r"missing \['qk_rope_head_dim'\].*latent"),
+        (_without(mla_config(), "q_lora_rank"), r"missing \['q_lora_rank'\].*None"),
+        (_without(mla_config(), "v_head_dim", "qk_nope_head_dim"), "qk_nope_head_dim.*v_head_dim"),
+        (mla_config(q_lora_rank=0), r"q_lora_rank'\] must be an integer >= 1"),
+        (mla_config(kv_lora_rank=-1), r"kv_lora_rank'\] must be an integer >= 1"),
+        (mla_config(qk_nope_head_dim=0, qk_rope_head_dim=0), "must be > 0"),
+        (mla_config(qk_head_dim=5), r"qk_head_dim'\] must equal .* = 4, but got 5"),
+        (mla_config(v_head_dim=2.5), "v_head_dim"),
         (_gqa(num_attention_heads=3, num_key_value_heads=2, head_dim=4), "multiple of"),
         (_gqa(hidden_size=10, num_attention_heads=4), "set head_dim explicitly"),
         (_gqa(head_dim=0), r"head_dim'\] must be an integer >= 1"),
@@ -411,7 +398,7 @@ def _without(config: dict[str, Any], *keys: str) -> dict[str, Any]:
             "not modelled",
         ),
         ({"text_config": 5}, r"model_config\['text_config'\] must be a mapping"),
-        ({"text_config": _without(_mla(), "hidden_size")}, r"model_config\['text_config'\]"),
+        ({"text_config": _without(mla_config(), "hidden_size")}, r"model_config\['text_config'\]"),
     ],
 )
 def test_invalid_configs_are_rejected(config: dict[str, Any], match: str) -> None:
@@ -434,7 +421,7 @@ def test_model_config_must_be_a_mapping_or_expose_to_dict() -> None:
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, True, "3"])
 def test_training_multiplier_is_validated(bad: object) -> None:
     with pytest.raises(ConfigError, match="training_multiplier"):
-        FlopsCost(_mla(), training_multiplier=bad)  # type: ignore[arg-type]
+        FlopsCost(mla_config(), training_multiplier=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -450,7 +437,7 @@ def test_training_multiplier_is_validated(bad: object) -> None:
 )
 def test_invalid_token_splits_are_rejected(features: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
-        FlopsCost(_mla())(SampleMetadata(tokens=4, features=features))
+        FlopsCost(mla_config())(SampleMetadata(tokens=4, features=features))
 
 
 @pytest.mark.parametrize(
@@ -464,7 +451,7 @@ def test_invalid_token_splits_are_rejected(features: dict[str, Any], match: str)
     ],
 )
 def test_blockmask_runs_are_validated(runs: object, match: str) -> None:
-    cost = FlopsCost(_mla(attn_block_mode="blockmask"))
+    cost = FlopsCost(mla_config(attn_block_mode="blockmask"))
     features: dict[str, Any] = {"P": 6, "D": 2}
     if runs is not None:
         features["cond_image_token_lengths"] = runs

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
+from testkit.loaders import IdSource, evenflow_threads, id_pack, run_in_threads_or_raise
+from testkit.loaders import make_loaders as _make_loaders
 
 from evenflow.engine import BalancedLoader, LoaderConfig, SampleMetadata
 from evenflow.engine.errors import (
@@ -35,74 +36,14 @@ def _lengths(rank: int, step: int, bins: int, epoch: int = 0) -> list[list[int]]
     return out
 
 
-def _sample(rank: int, step: int, i: int, length: int) -> dict[str, Any]:
-    return {"id": (rank, step, i), "input_ids": np.full(length, rank * 1000 + i, dtype=np.int32)}
-
-
-class StepSource:
-    """A rank-local source of steps with state_dict support and an epoch."""
-
-    def __init__(
-        self, rank: int, *, num_steps: int = 6, bins: int = 2, fail_at: int | None = None
-    ) -> None:
-        self.rank, self.num_steps, self.bins, self.fail_at = rank, num_steps, bins, fail_at
-        self.epoch = 0
-        self.reads = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.num_steps
-
-    def __iter__(self) -> Iterator[list[list[dict[str, Any]]]]:
-        for step in range(self.num_steps):
-            if self.fail_at == step:
-                raise ValueError(f"source broke on rank {self.rank}")
-            self.reads += 1
-            bins, i = [], 0
-            for sizes in _lengths(self.rank, step, self.bins, self.epoch):
-                b = []
-                for length in sizes:
-                    b.append(_sample(self.rank, step, i, length))
-                    i += 1
-                bins.append(b)
-            yield bins
-
-
-def ids_pack(samples: list[dict[str, Any]], seq_len: int) -> list[Any]:
-    assert sum(len(s["input_ids"]) for s in samples) <= seq_len
-    for s in samples:
-        rank, _, i = s["id"]
-        assert np.all(np.asarray(s["input_ids"]) == rank * 1000 + i), "payload corrupted"
-    return [tuple(s["id"]) for s in samples]
+def _source(rank: int, **kwargs: Any) -> IdSource:
+    return IdSource(rank, lambda r, step, epoch: _lengths(r, step, 2, epoch), **kwargs)
 
 
 def make_loaders(
-    n: int,
-    *,
-    group: InProcessGroup | None = None,
-    sources: list[Any] | None = None,
-    **overrides: Any,
+    n: int, *, sources: list[Any] | None = None, **overrides: Any
 ) -> list[BalancedLoader]:
-    group = group or InProcessGroup(n, timeout=20.0)
-    cfg = dict(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False)
-    cfg.update(
-        {k: overrides.pop(k) for k in list(overrides) if k in LoaderConfig.__dataclass_fields__}
-    )
-    config = LoaderConfig(**cfg)
-    sources = sources or [StepSource(r) for r in range(n)]
-    return [
-        BalancedLoader(
-            sources[r],
-            config=config,
-            transport=group.transport(r),
-            pack_fn=ids_pack,
-            cost_model="quadratic",
-            **overrides,
-        )
-        for r in range(n)
-    ]
+    return _make_loaders(n, sources or [_source(r) for r in range(n)], **overrides)
 
 
 async def run_async(
@@ -118,30 +59,6 @@ async def run_async(
         return out
 
     return list(await asyncio.gather(*(one(r, ld) for r, ld in enumerate(loaders))))
-
-
-def run_threads(
-    loaders: list[BalancedLoader], body: Callable[[int, BalancedLoader], Any]
-) -> list[Any]:
-    results: list[Any] = [None] * len(loaders)
-    errors: list[BaseException | None] = [None] * len(loaders)
-
-    def main(rank: int) -> None:
-        try:
-            results[rank] = body(rank, loaders[rank])
-        except BaseException as exc:
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=main, args=(r,)) for r in range(len(loaders))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-        assert not t.is_alive(), "a rank hung"
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
 
 
 def assert_conserved(per_rank: list[list[list[list[Any]]]], n: int, steps: int) -> None:
@@ -187,12 +104,9 @@ def test_sync_iteration_conserves_every_sample_with_threads_per_rank() -> None:
         with loader:
             return list(loader)
 
-    batches = run_threads(loaders, body)
+    batches = run_in_threads_or_raise(loaders, body)
     assert_conserved(batches, 4, 6)
-    leftover = [
-        t.name for t in threading.enumerate() if t not in before and t.name.startswith("evenflow")
-    ]
-    assert leftover == []
+    assert evenflow_threads(before) == []
 
 
 @pytest.mark.asyncio
@@ -223,7 +137,7 @@ async def test_canonical_order_survives_adversarial_timings() -> None:
 
 @pytest.mark.asyncio
 async def test_max_steps_stops_every_rank_without_reading_further() -> None:
-    sources = [StepSource(r) for r in range(2)]
+    sources = [_source(r) for r in range(2)]
     loaders = make_loaders(2, sources=sources, max_steps=2, prefetch_depth=1)
     assert len(loaders[0]) == 2
     batches = await run_async(loaders)
@@ -233,7 +147,7 @@ async def test_max_steps_stops_every_rank_without_reading_further() -> None:
 
 @pytest.mark.asyncio
 async def test_source_error_on_one_rank_fails_every_rank_at_the_same_step() -> None:
-    sources = [StepSource(0), StepSource(1, fail_at=3)]
+    sources = [_source(0), _source(1, fail_at=3)]
     loaders = make_loaders(2, sources=sources)
     seen: list[list[int]] = [[], []]
 
@@ -272,7 +186,7 @@ async def test_stage_errors_surface_on_every_rank_naming_the_failing_one(stage: 
             and samples[0]["id"][0] == 1
         ):
             raise boom
-        return ids_pack(samples, seq_len)
+        return id_pack(samples, seq_len)
 
     group = InProcessGroup(2, timeout=20.0)
     config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False, balance=False)
@@ -286,7 +200,7 @@ async def test_stage_errors_surface_on_every_rank_naming_the_failing_one(stage: 
 
         loaders.append(
             BalancedLoader(
-                StepSource(r),
+                _source(r),
                 config=config,
                 transport=group.transport(r),
                 metadata_fn=metadata_fn,
@@ -315,7 +229,7 @@ async def test_stage_errors_surface_on_every_rank_naming_the_failing_one(stage: 
 @pytest.mark.asyncio
 @pytest.mark.parametrize(("policy", "error"), [("stop", None), ("raise", SourceExhaustedError)])
 async def test_early_exhaustion_on_one_rank_stops_all(policy: str, error: Any) -> None:
-    sources = [StepSource(0, num_steps=6), StepSource(1, num_steps=4)]
+    sources = [_source(0, num_steps=6), _source(1, num_steps=4)]
     loaders = make_loaders(2, sources=sources, on_uneven_end=policy)
     if error is None:
         batches = await run_async(loaders)
@@ -339,7 +253,7 @@ def test_set_epoch_and_reiteration_restart_cleanly() -> None:
             third = list(loader)
             return first, second, third
 
-    results = run_threads(loaders, body)
+    results = run_in_threads_or_raise(loaders, body)
     for first, second, third in results:
         assert len(first) == len(second) == 3
         assert second == third  # same epoch, same data
@@ -360,11 +274,8 @@ def test_close_in_every_phase_leaks_no_thread() -> None:
                 next(it)
             return stop_after
 
-        run_threads(loaders, body)
-    leftover = [
-        t.name for t in threading.enumerate() if t not in before and t.name.startswith("evenflow")
-    ]
-    assert leftover == []
+        run_in_threads_or_raise(loaders, body)
+    assert evenflow_threads(before) == []
 
 
 @pytest.mark.asyncio
@@ -412,7 +323,7 @@ def test_trace_summary_reports_the_callers_stall() -> None:
                 pass
             return loader.trace_summary()
 
-    for summary in run_threads(loaders, body):
+    for summary in run_in_threads_or_raise(loaders, body):
         caller = summary["caller"]
         assert caller["wait"]["count"] == 7  # six steps and the final StopIteration
         assert 0.0 <= caller["data_stall_fraction"] <= 1.0
@@ -428,10 +339,10 @@ async def test_tracing_records_every_stage_as_valid_chrome_json(tmp_path: Any) -
     config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False)
     loaders = [
         BalancedLoader(
-            StepSource(r),
+            _source(r),
             config=config,
             transport=group.transport(r),
-            pack_fn=ids_pack,
+            pack_fn=id_pack,
             cost_model="quadratic",
             tracer=Tracer(chrome=tmp_path / "trace-{rank}.json"),
         )

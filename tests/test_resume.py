@@ -11,6 +11,7 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from testkit.loaders import record_pass
 
 from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.engine.errors import LoaderStateError, ResumeError
@@ -93,16 +94,7 @@ async def _record(
 ) -> tuple[list[list[list[bytes]]], list[list[dict[str, Any]]]]:
     """Every batch delivered and the state saved after every step, per rank."""
     loaders = _loaders(n, kind, depth)
-
-    async def one(loader: BalancedLoader) -> tuple[list[list[bytes]], list[dict[str, Any]]]:
-        batches, states = [], []
-        async with loader:
-            async for batch in loader:
-                batches.append(_flat(batch))
-                states.append(loader.state_dict())
-        return batches, states
-
-    out = await asyncio.gather(*(one(ld) for ld in loaders))
+    out = await asyncio.gather(*(record_pass(ld, _flat) for ld in loaders))
     return [o[0] for o in out], [o[1] for o in out]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from testkit.loaders import record_pass
 
 from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.transports import InProcessGroup
@@ -61,15 +62,7 @@ def _flat(batch: list[dict[str, Any]]) -> list[bytes]:
 
 @pytest.mark.asyncio
 async def test_stateful_dataloader_resumes_bitwise() -> None:
-    async def record(loader: BalancedLoader) -> tuple[list[Any], list[Any]]:
-        batches, states = [], []
-        async with loader:
-            async for batch in loader:
-                batches.append(_flat(batch))
-                states.append(loader.state_dict())
-        return batches, states
-
-    recorded = await asyncio.gather(*(record(ld) for ld in _loaders(2)))
+    recorded = await asyncio.gather(*(record_pass(ld, _flat) for ld in _loaders(2)))
     assert recorded[0][1][3]["source"] is not None  # the source's own state was captured
     for k in (0, 4, STEPS - 1):
         resumed = _loaders(depth=3)
