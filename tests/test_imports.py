@@ -2,8 +2,9 @@
 
 The graph is read from the source (every ``import`` and ``from ... import`` statement, at module
 level and inside functions), not from what a run happens to import, so a cycle hidden by an
-import inside a function is found too. Run this file directly to print the graph between
-modules in Graphviz DOT (``python3 tests/test_imports.py > imports.dot``).
+import inside a function is found too. Run this file directly to print the graph in Graphviz
+DOT, between modules or between folders (``--wings``): ``python3 tests/test_imports.py --wings |
+dot -Tsvg > docs/import-graph.svg``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ PACKAGES = {"evenflow.engine": ROOT / "engine", "evenflow.transports": ROOT / "t
 TOOLS = "evenflow.engine._tools"
 # `python -m evenflow.engine` runs the command-line tools: an entry point, not part of the core.
 ENTRY_POINTS = {"evenflow.engine.__main__"}
+# Modules that sit outside their wing's folder for the sake of a short public import path.
+WING_OF = {
+    "evenflow.engine.__main__": "engine._tools",
+    "evenflow.transports.launch": "transports.testing",
+}
 
 
 @dataclass
@@ -167,6 +173,19 @@ def test_no_import_cycle() -> None:
     assert not cycles, f"import cycles (top-level and function-level imports): {cycles}"
 
 
+def test_the_wings_form_layers() -> None:
+    """Between folders the arrows point one way: no two wings import each other, even through
+    modules that do not form a cycle themselves."""
+    edges: dict[str, set[str]] = {}
+    for source, targets in _project_edges(("top", "function")).items():
+        for target in targets:
+            if _wing(source) != _wing(target):
+                edges.setdefault(_wing(source), set()).add(_wing(target))
+                edges.setdefault(_wing(target), set())
+    assert len(edges) >= 8, sorted(edges)
+    assert not _cycles(edges), f"wings importing each other: {_cycles(edges)}"
+
+
 def test_transports_never_import_engine() -> None:
     bad = [
         f"{m.name}:{line} imports {target}"
@@ -231,17 +250,30 @@ def test_lazy_names_are_visible_to_type_checkers(package: str) -> None:
     assert exported == sorted(exported, key=str.lower) or exported == sorted(exported)
 
 
-def _dot() -> str:
-    lines = ["digraph evenflow {", "  rankdir=LR;", "  node [shape=box, fontsize=10];"]
+def _wing(name: str) -> str:
+    """The folder (wing) a module belongs to: ``engine._planning``, ``transports.testing``..."""
+    if name in WING_OF:
+        return WING_OF[name]
+    parts = name.removeprefix("evenflow.").split(".")
+    if len(parts) > 2 or (len(parts) == 2 and GRAPH[name].is_package):
+        return ".".join(parts[:2])
+    return f"{parts[0]} (top level)"
+
+
+def _dot(wings: bool) -> str:
+    """The import graph in Graphviz DOT, between modules or (``wings``) between folders."""
+    lines = ["digraph evenflow {", "  rankdir=BT;", "  node [shape=box, fontsize=10];"]
     edges = _project_edges(("top", "function"))
-    for source in sorted(edges):
-        for target in sorted(edges[source]):
-            short_source = source.removeprefix("evenflow.")
-            short_target = target.removeprefix("evenflow.")
-            lines.append(f'  "{short_source}" -> "{short_target}";')
+    pairs: set[tuple[str, str]] = set()
+    for source in edges:
+        for target in edges[source]:
+            a, b = (_wing(source), _wing(target)) if wings else (source, target)
+            if a != b:
+                pairs.add((a.removeprefix("evenflow."), b.removeprefix("evenflow.")))
+    lines += [f'  "{a}" -> "{b}";' for a, b in sorted(pairs)]
     lines.append("}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    sys.stdout.write(_dot() + "\n")
+    sys.stdout.write(_dot(wings="--wings" in sys.argv[1:]) + "\n")
