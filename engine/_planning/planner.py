@@ -24,14 +24,14 @@ import numpy as np
 
 from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, _digest_arrays
-from evenflow.engine._planning.algorithms import (
+from evenflow.engine._planning.objectives import resolve_objective
+from evenflow.engine._planning.problem import (
     BalanceProblem,
     BalancingAlgorithm,
     FlatLayout,
     _first_infeasible_flat,
-    resolve_algorithm,
 )
-from evenflow.engine._planning.objectives import resolve_objective
+from evenflow.engine._planning.registry import resolve_algorithm
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 
