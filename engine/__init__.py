@@ -18,11 +18,11 @@ _LAZY: dict[str, str] = {
     "ComponentCost": "evenflow.engine._planning.cost",
     "FlopsCost": "evenflow.engine._planning.flops",
     # balancing
-    "BalancingAlgorithm": "evenflow.engine._planning.algorithms",
-    "BalanceProblem": "evenflow.engine._planning.algorithms",
-    "FlatLayout": "evenflow.engine._planning.algorithms",
-    "LPTAlgorithm": "evenflow.engine._planning.algorithms",
-    "RefineAlgorithm": "evenflow.engine._planning.algorithms",
+    "BalancingAlgorithm": "evenflow.engine._planning.problem",
+    "BalanceProblem": "evenflow.engine._planning.problem",
+    "FlatLayout": "evenflow.engine._planning.problem",
+    "LPTAlgorithm": "evenflow.engine._planning.lpt",
+    "RefineAlgorithm": "evenflow.engine._planning.refine",
     "Planner": "evenflow.engine._planning.planner",
     # pipeline
     "LoaderConfig": "evenflow.engine._config",

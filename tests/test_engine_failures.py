@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from evenflow.engine import BalancedLoader, LoaderConfig
-from evenflow.engine._planning.algorithms import LPTAlgorithm
+from evenflow.engine._planning.lpt import LPTAlgorithm
 from evenflow.engine.errors import (
     ConfigError,
     PeerFailureError,

@@ -136,7 +136,7 @@ class _CountingAlgorithm:
     """
 
     def __init__(self, name: str) -> None:
-        from evenflow.engine._planning.algorithms import resolve_algorithm
+        from evenflow.engine._planning.registry import resolve_algorithm
 
         self._inner = resolve_algorithm(name)
         self.name: str = self._inner.name
@@ -563,11 +563,9 @@ def _fmt(q: dict[str, float | None], *names: str, digits: int = 2) -> str:
 
 def _core_name() -> str:
     """Which implementation of the greedy and the search the timings measure."""
-    from evenflow.engine._planning import algorithms as _algorithms
+    from evenflow.engine._planning import native
 
-    if _algorithms._native is None:
-        return "python (the compiled extension is not built)"
-    return "compiled" if _algorithms._use_native else "python (compiled core switched off)"
+    return f"compiled (core version {native.CORE_VERSION})"
 
 
 def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
