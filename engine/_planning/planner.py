@@ -24,6 +24,7 @@ import numpy as np
 
 from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, _digest_arrays
+from evenflow.engine._planning.native import core_identity
 from evenflow.engine._planning.objectives import resolve_objective
 from evenflow.engine._planning.problem import (
     BalanceProblem,
@@ -145,7 +146,12 @@ class Planner:
         return self._last_costs
 
     def identity(self) -> dict[str, Any]:
-        """Plain data that determines every plan this planner makes (for fingerprints)."""
+        """Plain data that determines every plan this planner makes (for fingerprints).
+
+        It includes the compiled core's version: ``build_loader`` compares identities across
+        ranks before the first step, so a group whose builds would plan differently is
+        refused there rather than by the per-step digest check.
+        """
         return {
             "num_ranks": self.num_ranks,
             "bins_per_rank": self.bins_per_rank,
@@ -156,6 +162,7 @@ class Planner:
             "min_balance_gain": self.min_balance_gain,
             "cost_model": self.cost_model_id,
             "algorithm": self.algorithm_id,
+            **core_identity(),
         }
 
     # ------------------------------------------------------------------ planning
