@@ -24,6 +24,7 @@ import numpy as np
 
 from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, _digest_arrays
+from evenflow.engine._planning import cost as _cost
 from evenflow.engine._planning.native import core_identity
 from evenflow.engine._planning.objectives import resolve_objective
 from evenflow.engine._planning.problem import (
@@ -98,8 +99,6 @@ class Planner:
         oversized_policy: str = "error",
         packing_budgets: dict[str, float] | None = None,
     ) -> None:
-        from evenflow.engine._planning import cost as _cost
-
         self.num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         self.bins_per_rank = check_int("bins_per_rank", bins_per_rank, minimum=1)
         self.constraints = PackingConstraints(
@@ -415,8 +414,6 @@ class Planner:
     def _costs(
         self, keys: tuple[SampleKey, ...], metas: list[SampleMetadata], tokens: np.ndarray
     ) -> tuple[np.ndarray, Any]:
-        from evenflow.engine._planning import cost as _cost
-
         if not self._components:
             costs = _cost.evaluate_costs(self.cost_model, metas, keys=keys, tokens=tokens)
             return costs, None
