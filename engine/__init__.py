@@ -3,11 +3,32 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evenflow.engine import errors
 from evenflow.engine._model import OversizedPolicy, PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._plan import BalanceDecision, BinPlan, Plan
+
+if TYPE_CHECKING:
+    # The names below are served lazily at run time (see __getattr__); type checkers
+    # import them here so that users see the real classes and functions, never Any.
+    from evenflow.engine._config import LoaderConfig
+    from evenflow.engine._distributed.build import build_loader
+    from evenflow.engine._distributed.loader import DistributedLoader
+    from evenflow.engine._pipeline.loader import BalancedLoader
+    from evenflow.engine._pipeline.pack import (
+        count_loss_tokens,
+        default_collate_fn,
+        default_pack_fn,
+    )
+    from evenflow.engine._pipeline.stats import StepStats
+    from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
+    from evenflow.engine._planning.flops import FlopsCost
+    from evenflow.engine._planning.lpt import LPTAlgorithm
+    from evenflow.engine._planning.planner import Planner
+    from evenflow.engine._planning.problem import BalanceProblem, BalancingAlgorithm, FlatLayout
+    from evenflow.engine._planning.refine import RefineAlgorithm
+    from evenflow.engine._tracing import NullTracer, Tracer, merge_chrome_traces
 
 # Names served lazily from their modules (resolved on first access).
 _LAZY: dict[str, str] = {
@@ -28,13 +49,14 @@ _LAZY: dict[str, str] = {
     "LoaderConfig": "evenflow.engine._config",
     "BalancedLoader": "evenflow.engine._pipeline.loader",
     "default_pack_fn": "evenflow.engine._pipeline.pack",
+    "count_loss_tokens": "evenflow.engine._pipeline.pack",
     "default_collate_fn": "evenflow.engine._pipeline.pack",
-    "Tracer": "evenflow.engine._tracing.tracer",
-    "build_loader": "evenflow.engine._distributed.topology",
+    "Tracer": "evenflow.engine._tracing",
+    "build_loader": "evenflow.engine._distributed.build",
     "DistributedLoader": "evenflow.engine._distributed.loader",
     "StepStats": "evenflow.engine._pipeline.stats",
-    "NullTracer": "evenflow.engine._tracing.tracer",
-    "merge_chrome_traces": "evenflow.engine._tracing.tracer",
+    "NullTracer": "evenflow.engine._tracing",
+    "merge_chrome_traces": "evenflow.engine._tracing",
 }
 
 __all__ = [
@@ -63,6 +85,7 @@ __all__ = [
     "TokenCost",
     "Tracer",
     "build_loader",
+    "count_loss_tokens",
     "default_collate_fn",
     "default_pack_fn",
     "errors",

@@ -10,9 +10,7 @@ oversized sample alone under ``oversized_policy="single"``) and every named budg
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,43 +57,6 @@ class SampleKey:
                 f"A SampleKey tuple must have 3 items (source_rank, step, index), got {items!r}."
             )
         return cls(items[0], items[1], items[2])
-
-
-_new_object = object.__new__
-# The slot descriptors of the frozen dataclass: they write a field without the frozen
-# __setattr__ (read from the class __dict__, where slots=True put them).
-_set_source_rank: Any = vars(SampleKey)["source_rank"].__set__
-_set_step: Any = vars(SampleKey)["step"].__set__
-_set_index: Any = vars(SampleKey)["index"].__set__
-
-
-def _mint_key(source_rank: int, step: int, index: int) -> SampleKey:
-    """A ``SampleKey`` built without validation, for keys the engine derives itself.
-
-    Only for values already known to be non-negative Python ints (e.g. a rank position, a
-    checked step and a ``range`` index): skipping ``__post_init__`` and the frozen
-    ``__setattr__`` makes this several times cheaper than the public constructor, which
-    matters when every rank rebuilds 100,000 keys per step. The slot descriptors write the
-    fields directly, so the result is indistinguishable from a validated key.
-    """
-    key: SampleKey = _new_object(SampleKey)
-    _set_source_rank(key, source_rank)
-    _set_step(key, step)
-    _set_index(key, index)
-    return key
-
-
-def _mint_keys(source_rank: int, step: int, count: int) -> list[SampleKey]:
-    """``[SampleKey(source_rank, step, i) for i in range(count)]`` without validation.
-
-    Every pass is a C-level ``map`` (no Python frame per key), which is what makes a
-    100,000-key step cost milliseconds rather than tens of them.
-    """
-    keys: list[SampleKey] = list(map(_new_object, itertools.repeat(SampleKey, count)))
-    deque(map(_set_source_rank, keys, itertools.repeat(source_rank)), maxlen=0)
-    deque(map(_set_step, keys, itertools.repeat(step)), maxlen=0)
-    deque(map(_set_index, keys, range(count)), maxlen=0)
-    return keys
 
 
 def _check_feature(value: object, path: str, active: set[int]) -> None:

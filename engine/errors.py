@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+from evenflow.transports._remote import RemoteErrorInfo, one_line, traceback_note
 from evenflow.transports.errors import (
     CollectiveMismatchError,
     EncodeError,
@@ -67,20 +68,58 @@ class RemoteStageError(EvenflowError):
     """A stage failed on another rank of the balance group, so this rank stops too.
 
     Every surviving rank raises this at the same step; the failing rank re-raises its own
-    exception object.
+    exception object. ``str()`` is one line naming the rank, stage, step and the original
+    error; the failing rank's traceback text is kept in ``remote_traceback`` and shown as a
+    ``__notes__`` entry, so logging and printed tracebacks include it while messages that
+    embed ``str()`` stay short.
     """
 
     def __init__(
-        self, *, failed_rank: int, stage: str, step: int, error_type: str, message: str
+        self,
+        *,
+        failed_rank: int,
+        stage: str,
+        step: int,
+        error_type: str,
+        message: str,
+        remote_traceback: str = "",
     ) -> None:
         super().__init__(
-            f"Rank {failed_rank} failed in stage {stage!r} at step {step}: {error_type}: {message}"
+            f"Rank {failed_rank} failed in stage {stage!r} at step {step}: "
+            f"{error_type}: {one_line(message)}"
         )
         self.failed_rank = failed_rank
         self.stage = stage
         self.step = step
         self.error_type = error_type
         self.remote_message = message
+        self.remote_traceback = remote_traceback
+        if remote_traceback:
+            self.add_note(traceback_note(f"rank {failed_rank}", remote_traceback))
+
+    @classmethod
+    def from_info(cls, info: RemoteErrorInfo, *, failed_rank: int) -> RemoteStageError:
+        """The error a peer raises for a checked remote description (``failed_rank`` global)."""
+        return cls(
+            failed_rank=failed_rank,
+            stage=info.stage,
+            step=info.step if info.step is not None else -1,
+            error_type=info.error_type,
+            message=info.message,
+            remote_traceback=info.traceback,
+        )
+
+    def to_info(self) -> RemoteErrorInfo:
+        """This error's origin as plain data, to forward it unchanged to further ranks."""
+        return RemoteErrorInfo(
+            rank=self.failed_rank,
+            stage=self.stage,
+            step=self.step if self.step >= 0 else None,
+            error_type=self.error_type,
+            module="",
+            message=self.remote_message,
+            traceback=self.remote_traceback,
+        )
 
 
 class GroupMismatchError(EvenflowError):

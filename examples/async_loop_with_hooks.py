@@ -79,8 +79,8 @@ async def train(transport: InProcessTransport, num_steps: int) -> list[str]:
         async for batch in loader:
             losses = []
             for packed in batch:  # one microbatch per packed sequence
-                ids = packed["input_ids"]
-                losses.append(nn.functional.cross_entropy(model(ids[:-1]), ids[1:]))
+                ids, labels = packed["input_ids"][0], packed["labels"][0]
+                losses.append(nn.functional.cross_entropy(model(ids[:-1]), labels[1:]))
             await loader.aprefetch_plan()  # after forward: launch the next metadata gather
             torch.stack(losses).sum().backward()  # type: ignore[no-untyped-call]
             await loader.aprefetch()  # after backward: launch the next payload exchange

@@ -72,11 +72,11 @@ def train_step(model: DistributedDataParallel, batch: list[dict[str, Any]]) -> f
     for i, packed in enumerate(batch):
         last = i == len(batch) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            ids = packed["input_ids"]
+            ids, labels = packed["input_ids"][0], packed["labels"][0]
             logits = model(ids[:-1])
-            # Next-token loss inside each sample only: drop targets that cross a boundary.
-            keep = packed["position_ids"][1:] != 0
-            loss = nn.functional.cross_entropy(logits[keep], ids[1:][keep])
+            # Next-token loss: labels are -100 at each sample's first token, so no target
+            # crosses a boundary between packed samples.
+            loss = nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100)
             loss.backward()  # type: ignore[no-untyped-call]
         total += loss.item()
     return total / len(batch)

@@ -81,7 +81,7 @@ def make_source(mode: str, rank: int, num_steps: int) -> Any:
 
 
 def token_ids(batch: list[dict[str, torch.Tensor]]) -> list[list[int]]:
-    return [packed["input_ids"].tolist() for packed in batch]
+    return [packed["input_ids"][0].tolist() for packed in batch]
 
 
 def check_resume(mode: str, out: Path, num_steps: int, stop_after: int) -> bool:

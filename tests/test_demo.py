@@ -27,10 +27,10 @@ def test_attention_never_crosses_a_sample_boundary() -> None:
     packed_a = default_pack_fn([first, np.full(7, 3, dtype=np.int64)], 64)
     packed_b = default_pack_fn([first, np.full(7, 200, dtype=np.int64)], 64)
     with torch.no_grad():
-        a = model(packed_a["input_ids"], packed_a["position_ids"], packed_a["cu_seqlens"])
-        b = model(packed_b["input_ids"], packed_b["position_ids"], packed_b["cu_seqlens"])
+        a = model(packed_a["input_ids"], packed_a["position_ids"], packed_a["cu_seq_lens_q"])
+        b = model(packed_b["input_ids"], packed_b["position_ids"], packed_b["cu_seq_lens_q"])
         alone = default_pack_fn([first], 64)
-        c = model(alone["input_ids"], alone["position_ids"], alone["cu_seqlens"])
+        c = model(alone["input_ids"], alone["position_ids"], alone["cu_seq_lens_q"])
     # The first sample's logits ignore whatever follows it and match the sample alone.
     torch.testing.assert_close(a[:10], b[:10])
     torch.testing.assert_close(a[:10], c)
@@ -44,25 +44,24 @@ def test_attention_is_causal_within_a_sample() -> None:
     y[8:] = 99
     with torch.no_grad():
         px, py = default_pack_fn([x], 64), default_pack_fn([y], 64)
-        lx = model(px["input_ids"], px["position_ids"], px["cu_seqlens"])
-        ly = model(py["input_ids"], py["position_ids"], py["cu_seqlens"])
+        lx = model(px["input_ids"], px["position_ids"], px["cu_seq_lens_q"])
+        ly = model(py["input_ids"], py["position_ids"], py["cu_seq_lens_q"])
     torch.testing.assert_close(lx[:8], ly[:8])
     assert not torch.allclose(lx[8:], ly[8:])
 
 
 def test_packed_loss_skips_the_last_token_of_each_sample() -> None:
     vocab = 256
-    ids = torch.tensor([5, 6, 7, 8, 9])
-    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    labels = default_pack_fn([[5, 6, 7], [8, 9]], 8)["labels"]
     logits = torch.full((5, vocab), -30.0)
     # Perfect next-token predictions inside samples; the boundary rows predict garbage.
     for i, target in ((0, 6), (1, 7), (3, 9)):
         logits[i, target] = 30.0
     logits[2, 0] = 30.0
     logits[4, 0] = 30.0
-    assert float(packed_loss(logits, ids, cu)) < 1e-6
+    assert float(packed_loss(logits, labels)) < 1e-6
     logits[1, 7] = -30.0
-    assert float(packed_loss(logits, ids, cu)) > 1.0
+    assert float(packed_loss(logits, labels)) > 1.0
 
 
 def test_model_trains_and_rejects_positions_beyond_its_table() -> None:
@@ -71,8 +70,8 @@ def test_model_trains_and_rejects_positions_beyond_its_table() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(25):
-        logits = model(packed["input_ids"], packed["position_ids"], packed["cu_seqlens"])
-        loss = packed_loss(logits, packed["input_ids"], packed["cu_seqlens"])
+        logits = model(packed["input_ids"], packed["position_ids"], packed["cu_seq_lens_q"])
+        loss = packed_loss(logits, packed["labels"])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -80,7 +79,7 @@ def test_model_trains_and_rejects_positions_beyond_its_table() -> None:
     assert losses[-1] < 0.5 * losses[0]
     too_long = default_pack_fn([np.arange(40) % 7], 40)
     with pytest.raises(ValueError, match="max_positions=32"):
-        model(too_long["input_ids"], too_long["position_ids"], too_long["cu_seqlens"])
+        model(too_long["input_ids"], too_long["position_ids"], too_long["cu_seq_lens_q"])
 
 
 def test_measured_cost_interpolates_the_table() -> None:

@@ -15,6 +15,7 @@ import dataclasses
 import io
 import logging
 import re
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -215,6 +216,20 @@ def test_cli_reference_lists_every_option(command: list[str]) -> None:
     section = section.split("\n## ")[0]
     missing = sorted(o for o in options if f"`{o}" not in section)
     assert not missing, f"evenflow {' '.join(command)}: undocumented options {missing}"
+
+
+def test_the_command_runs_as_a_module_too() -> None:
+    """The CLI reference promises ``python -m evenflow.engine`` beside the installed script."""
+    done = subprocess.run(
+        [sys.executable, "-m", "evenflow.engine", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "usage: evenflow <command>" in done.stdout
+    assert "python -m evenflow.engine" in _text("reference/cli.md")
 
 
 def test_benchmarks_page_has_a_section_per_benchmark() -> None:

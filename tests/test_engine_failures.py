@@ -32,6 +32,7 @@ from evenflow.engine.errors import (
 )
 from evenflow.transports import InProcessGroup, Transport
 from evenflow.transports.launch import RankPool
+from evenflow.transports.testing import WrappedTransport
 
 SEQ_LEN = 64
 STEPS = 6
@@ -506,7 +507,7 @@ def test_a_blocked_source_fails_its_rank_within_the_timeout() -> None:
     assert hung == [False, False], "the rank with the blocked source hung"
 
 
-class _CallerLaunchProbe(Transport):
+class _CallerLaunchProbe(WrappedTransport):
     """An in-process member that launches on the caller and records stale launches.
 
     A launch is *stale* when the operation that queued it was cancelled: running it would
@@ -517,13 +518,7 @@ class _CallerLaunchProbe(Transport):
     launch_on_caller: ClassVar[bool] = True
 
     def __init__(self, inner: Transport) -> None:
-        super().__init__(
-            rank=inner.rank,
-            num_ranks=inner.num_ranks,
-            global_ranks=inner.global_ranks,
-            timeout=inner.timeout,
-        )
-        self._inner = inner
+        super().__init__(inner)
         self.changed = threading.Condition()
         self.num_queued = 0
         self.stale: list[str] = []
@@ -546,17 +541,17 @@ class _CallerLaunchProbe(Transport):
 
     async def all_gather(self, obj: Any) -> list[Any]:
         await self._launch("all_gather")
-        return await self._inner.all_gather(obj)
+        return await super().all_gather(obj)
 
     async def broadcast(self, obj: Any, *, src: int) -> Any:
         await self._launch("broadcast")
-        return await self._inner.broadcast(obj, src=src)
+        return await super().broadcast(obj, src=src)
 
     async def exchange(
         self, outgoing: Mapping[int, Sequence[tuple[Hashable, Any]]]
     ) -> dict[Hashable, Any]:
         await self._launch("exchange")
-        return await self._inner.exchange(outgoing)
+        return await super().exchange(outgoing)
 
 
 def test_set_epoch_drops_launches_queued_by_the_cancelled_pass() -> None:

@@ -159,6 +159,9 @@ def test_run_ranks_reraises_a_rank_exception_with_its_traceback() -> None:
     assert 'raise KeyError(f"missing shard {rank * 10}")' in error.remote_traceback
     assert "_rank_raise" in str(error)
     assert error.outcomes[0] == ("result", 0)
+    # One line; the traceback travels in the notes that printed tracebacks and logs show.
+    assert "\n" not in str(error)
+    assert error.__notes__ == [f"Remote traceback (rank 1):\n{error.remote_traceback.rstrip()}"]
 
 
 @pytest.mark.multiprocess

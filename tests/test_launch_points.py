@@ -13,22 +13,17 @@ import pytest
 
 from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.transports import InProcessGroup, Transport
+from evenflow.transports.testing import WrappedTransport
 
 
-class CallerLaunched(Transport):
+class CallerLaunched(WrappedTransport):
     """An in-process transport that declares caller launches and records where they ran."""
 
     name: ClassVar[str] = "caller-launched"
     launch_on_caller: ClassVar[bool] = True
 
     def __init__(self, inner: Transport, log: list[tuple[int, str, int]]) -> None:
-        super().__init__(
-            rank=inner.rank,
-            num_ranks=inner.num_ranks,
-            global_ranks=inner.global_ranks,
-            timeout=inner.timeout,
-        )
-        self._inner = inner
+        super().__init__(inner)
         self._log = log
 
     def _launch_record(self, op: str) -> None:
@@ -38,13 +33,13 @@ class CallerLaunched(Transport):
         await self.launcher.launch(
             lambda: self._launch_record("all_gather"), op="all_gather", final=True
         )
-        return await self._inner.all_gather(obj)
+        return await super().all_gather(obj)
 
     async def broadcast(self, obj: Any, *, src: int) -> Any:
         await self.launcher.launch(
             lambda: self._launch_record("broadcast"), op="broadcast", final=True
         )
-        return await self._inner.broadcast(obj, src=src)
+        return await super().broadcast(obj, src=src)
 
     async def exchange(
         self, outgoing: Mapping[int, Sequence[tuple[Hashable, Any]]]
@@ -53,7 +48,7 @@ class CallerLaunched(Transport):
         await self.launcher.launch(
             lambda: self._launch_record("exchange"), op="exchange", final=True
         )
-        return await self._inner.exchange(outgoing)
+        return await super().exchange(outgoing)
 
 
 def _source(rank: int, steps: int = 5) -> list[list[list[dict[str, Any]]]]:

@@ -150,6 +150,8 @@ def _rank_fail(rank: int, num_ranks: int) -> dict[str, Any]:
             "stage": exc.stage,
             "step": exc.step,
             "text": str(exc),
+            "traceback": exc.remote_traceback,
+            "notes": list(getattr(exc, "__notes__", [])),
         }
     except KeyError as exc:
         return {"steps": steps, "kind": "own", "text": str(exc)}
@@ -164,6 +166,15 @@ def test_a_source_error_stops_every_process_at_the_same_step(pool4: RankPool) ->
         assert results[r]["kind"] == "remote"
         assert (results[r]["rank"], results[r]["stage"], results[r]["step"]) == (1, "source", 3)
         assert "bad record at step 3" in results[r]["text"]
+
+
+def test_a_peers_error_on_gloo_carries_the_failing_ranks_traceback(pool2: RankPool) -> None:
+    survivor, failed = pool2.run(_rank_fail, deadline=90.0)
+    assert failed["kind"] == "own" and survivor["kind"] == "remote"
+    assert "\n" not in survivor["text"]
+    assert "in __iter__" in survivor["traceback"]
+    assert 'raise KeyError(f"bad record at step {step}")' in survivor["traceback"]
+    assert survivor["notes"] == [f"Remote traceback (rank 1):\n{survivor['traceback'].rstrip()}"]
 
 
 def _rank_record(rank: int, num_ranks: int) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from evenflow.engine._model import SampleKey, SampleMetadata, _mint_keys
+from evenflow.engine._model import SampleKey, SampleMetadata
 from evenflow.engine._plan import plan_digest
 from evenflow.engine._planning.cost import ComponentCost
 from evenflow.engine._planning.planner import Planner
@@ -427,15 +427,6 @@ def test_key_fields_beyond_int64_are_rejected_by_name() -> None:
     bins = [[samples[0][0]], [samples[1][0]]]
     with pytest.raises(ConfigError, match=r"samples holds key .*2\*\*63 - 1"):
         planner().plan(samples, bins, step=0)
-
-
-def test_minted_keys_equal_validated_keys() -> None:
-    minted = _mint_keys(5, 9, 4)
-    assert minted == [SampleKey(5, 9, i) for i in range(4)]
-    assert [hash(k) for k in minted] == [hash(SampleKey(5, 9, i)) for i in range(4)]
-    assert _mint_keys(0, 0, 0) == []
-    with pytest.raises(ConfigError, match="non-negative"):
-        SampleKey(-1, 0, 0)  # the public constructor still validates
 
 
 def test_plan_restores_the_garbage_collector_state() -> None:

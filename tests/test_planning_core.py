@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from evenflow.engine._distributed.topology import _agreed_identity, _raise_on_mismatch
+from evenflow.engine._distributed.build import _agreed_identity, _raise_on_mismatch
 from evenflow.engine._planning import native
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine.errors import GroupMismatchError

@@ -85,7 +85,7 @@ def _loaders(n: int, kind: type, depth: int, **cfg: Any) -> list[BalancedLoader]
 
 
 def _flat(batch: list[dict[str, Any]]) -> list[bytes]:
-    return [b["input_ids"].numpy().tobytes() + b["cu_seqlens"].numpy().tobytes() for b in batch]
+    return [b["input_ids"].numpy().tobytes() + b["cu_seq_lens_q"].numpy().tobytes() for b in batch]
 
 
 async def _record(

@@ -56,7 +56,7 @@ def _loaders(depth: int) -> list[BalancedLoader]:
 
 
 def _flat(batch: list[dict[str, Any]]) -> list[bytes]:
-    return [b["input_ids"].numpy().tobytes() + b["cu_seqlens"].numpy().tobytes() for b in batch]
+    return [b["input_ids"].numpy().tobytes() + b["cu_seq_lens_q"].numpy().tobytes() for b in batch]
 
 
 @pytest.mark.asyncio

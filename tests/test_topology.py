@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from evenflow.engine._distributed.loader import decode_error, encode_error, join_batch, split_batch
+from evenflow.engine._distributed.build import _describe_error, _raise_on_error, _raise_on_mismatch
+from evenflow.engine._distributed.loader import decode_error, encode_error
 from evenflow.engine._distributed.topology import (
     Topology,
-    _raise_on_error,
-    _raise_on_mismatch,
     groups_by_node,
     groups_by_size,
     mesh_layout,
@@ -28,6 +27,7 @@ from evenflow.engine.errors import (
     SourceExhaustedError,
 )
 from evenflow.transports import _wire
+from evenflow.transports._broadcast import join_batch, split_batch
 from evenflow.transports.errors import WireFormatError
 
 # -- layouts (no processes) ------------------------------------------------------------------
@@ -163,12 +163,12 @@ def test_mismatch_names_first_differing_rank_and_field() -> None:
 
 def test_build_errors_are_raised_alike_everywhere() -> None:
     ok = {"error": None}
-    bad = {"error": {"class": "config", "type": "ConfigError", "message": "seq_len bad"}}
+    bad = {"error": _describe_error(ConfigError("seq_len bad"))}
     with pytest.raises(ConfigError, match="failed on rank 1: ConfigError: seq_len bad"):
         _raise_on_error([ok, bad, ok], None)
     with pytest.raises(ConfigError, match="failed on every rank: ConfigError: seq_len bad"):
         _raise_on_error([bad, bad], None)
-    typed = {"error": {"class": "type", "type": "TypeError", "message": "not callable"}}
+    typed = {"error": _describe_error(TypeError("not callable"))}
     with pytest.raises(TypeError, match="rank 0"):
         _raise_on_error([typed, ok], None)
     _raise_on_error([ok, ok], None)
@@ -324,7 +324,7 @@ async def test_follower_async_iteration_and_resume() -> None:
 def test_build_loader_needs_a_distributed_world() -> None:
     import torch.distributed as dist
 
-    from evenflow.engine._distributed.topology import _startup_timeout, build_loader
+    from evenflow.engine._distributed.build import _startup_timeout, build_loader
 
     if dist.is_available() and dist.is_initialized():  # pragma: no cover - not in this suite
         pytest.skip("a process group is initialised in this process")
@@ -368,12 +368,12 @@ def _outcome(exc: BaseException) -> dict[str, str]:
 
 
 def _tokens(batch: Any) -> list[int]:
-    return sorted(int(t) for b in batch for t in b["input_ids"].tolist())
+    return sorted(int(t) for b in batch for t in b["input_ids"].reshape(-1).tolist())
 
 
 def rank_groups(rank: int, num_ranks: int, mode: str) -> dict[str, Any]:
     """Build with node grouping from GROUP_RANK or with balance_group_size=2; run two steps."""
-    from evenflow.engine._distributed.topology import build_loader
+    from evenflow.engine._distributed.build import build_loader
 
     saved = os.environ.get("GROUP_RANK")
     if mode == "env":
@@ -402,7 +402,7 @@ class _Untouchable:
 
 def _collate_with_big(packed: list[Any]) -> dict[str, Any]:
     """A batch with a tensor large enough to be broadcast on its own (not inline)."""
-    tokens = torch.cat([b["input_ids"] for b in packed])
+    tokens = torch.cat([b["input_ids"].reshape(-1) for b in packed])
     return {"bins": packed, "big": tokens.repeat(40).to(torch.float32), "tag": ("x", 1)}
 
 
@@ -412,7 +412,7 @@ def rank_mesh(rank: int, num_ranks: int, fail_at: int | None, mode: str) -> dict
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from evenflow.engine._distributed.topology import build_loader
+    from evenflow.engine._distributed.build import build_loader
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     constructor = rank % 2 == 0
@@ -433,7 +433,7 @@ def rank_mesh(rank: int, num_ranks: int, fail_at: int | None, mode: str) -> dict
             big.append(float(batch["big"].sum()))
             batch = batch["bins"]
         tokens.append(_tokens(batch))
-        assert isinstance(batch[0]["max_seqlen"], int)
+        assert isinstance(batch[0]["max_length_q"], int)
 
     async def consume() -> None:
         async with loader:
@@ -470,7 +470,7 @@ def rank_build_error(rank: int, num_ranks: int, case: str) -> dict[str, str] | N
     """Every rank must raise the same error for a bad build on one or all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from evenflow.engine._distributed.topology import build_loader
+    from evenflow.engine._distributed.build import build_loader
 
     kwargs: dict[str, Any] = {}
     config = _config()

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from evenflow.engine._tracing.tracer import (
+from evenflow.engine._tracing import (
     NullTracer,
     Span,
     StallMeter,
@@ -17,6 +17,8 @@ from evenflow.engine._tracing.tracer import (
     merge_chrome_traces,
     resolve_tracer,
 )
+from evenflow.engine._tracing import chrome as _chrome
+from evenflow.engine._tracing import stall as _stall
 from evenflow.engine._tracing import tracer as _tracing
 from evenflow.engine.errors import ConfigError, LoaderStateError
 
@@ -38,6 +40,7 @@ class _Clock:
 def clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
     fake = _Clock()
     monkeypatch.setattr(_tracing, "perf_counter", fake)
+    monkeypatch.setattr(_stall, "perf_counter", fake)
     return fake
 
 
@@ -239,7 +242,7 @@ def test_jsonl_flush_writes_pending_records(tmp_path: Path) -> None:
 def test_chrome_trace_has_one_track_per_stage(tmp_path: Path) -> None:
     tracer = Tracer(chrome=tmp_path)
     tracer.bind(1)
-    base = _tracing._EPOCH_PERF
+    base = _chrome._EPOCH_PERF
     tracer.add("plan", 0, base + 1.0, base + 1.5, queue_depth=2)
     tracer.add("pack", 0, base + 2.0, base + 2.25)
     tracer.add("plan", 1, base + 3.0, base + 3.001, err="x")
@@ -299,7 +302,7 @@ def test_merge_chrome_traces_aligns_ranks(tmp_path: Path) -> None:
     for rank in range(2):
         tracer = Tracer(chrome=tmp_path / "ranks")
         tracer.bind(rank)
-        tracer.add("plan", 0, _tracing._EPOCH_PERF + rank, _tracing._EPOCH_PERF + rank + 1)
+        tracer.add("plan", 0, _chrome._EPOCH_PERF + rank, _chrome._EPOCH_PERF + rank + 1)
         tracer.close()
     out = merge_chrome_traces(
         sorted((tmp_path / "ranks").glob("*.json")), tmp_path / "merged" / "all.json"

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from evenflow.transports._gloo import _FAILED, _Protocol
+from evenflow.transports._protocol import FAILED, Protocol
 from evenflow.transports.errors import TransportError, WireFormatError
 from evenflow.transports.launch import RankFailedError, RankPool
 
@@ -57,7 +57,12 @@ def _record_calls(names: tuple[str, ...]) -> list[tuple[str, str]]:
 
 
 def _describe(exc: BaseException) -> dict[str, Any]:
-    return {"type": type(exc).__name__, "message": str(exc), "op": getattr(exc, "op", None)}
+    return {
+        "type": type(exc).__name__,
+        "message": str(exc),
+        "op": getattr(exc, "op", None),
+        "peer_rank": getattr(exc, "peer_rank", None),
+    }
 
 
 # -- functions that run inside the ranks --------------------------------------------------------
@@ -321,18 +326,18 @@ def test_frame_limit_fails_every_rank_before_data_moves(pool: RankPool, kind: st
 
 
 def test_receiver_refuses_sizes_over_the_limit() -> None:
-    proto = _Protocol(rank=1, num_ranks=3, global_ranks=(0, 1, 2), name="gloo", limit=1024)
+    proto = Protocol(rank=1, num_ranks=3, global_ranks=(0, 1, 2), name="gloo", limit=1024)
     proto.check_incoming("exchange", [0, 1024, 64])
     with pytest.raises(WireFormatError, match=r"\(2, 1025\)"):
         proto.check_incoming("exchange", [0, 64, 1025])
     with pytest.raises(WireFormatError, match=r"\(0, -5\)"):
         proto.check_incoming("exchange", [-5, 64, 0])
     with pytest.raises(TransportError, match=r"rank\(s\) 2 could not build"):
-        proto.check_incoming("all_gather", [64, 64, _FAILED])
+        proto.check_incoming("all_gather", [64, 64, FAILED])
 
 
 def test_error_translation() -> None:
-    proto = _Protocol(rank=0, num_ranks=2, global_ranks=(4, 5), name="gloo", limit=1024)
+    proto = Protocol(rank=0, num_ranks=2, global_ranks=(4, 5), name="gloo", limit=1024)
     timeout = proto.translate("exchange", RuntimeError("Timed out waiting 5000ms for recv"))
     peer = proto.translate("all_gather", RuntimeError("Connection closed by peer [::1]:4"))
     other = proto.translate("broadcast", RuntimeError("something odd"))
@@ -354,7 +359,7 @@ def test_constructors_reject_bad_arguments() -> None:
 
     with pytest.raises(ValueError, match="timeout must be a positive number"):
         GlooTransport(timeout=0)
-    with pytest.raises(ValueError, match="max_frame_bytes must be an integer"):
+    with pytest.raises(ValueError, match="max_frame_bytes must be at least 64"):
         GlooTransport(max_frame_bytes=10)
     with pytest.raises(TransportError, match="init_process_group"):
         GlooTransport()  # this test process has no process group
@@ -476,6 +481,9 @@ def test_peer_dying_mid_exchange_fails_survivor_promptly(pool: RankPool) -> None
     assert survivor["first"]["op"] == "exchange"
     assert "exchange" in survivor["first"]["message"]
     assert survivor["first"]["seconds"] < GROUP_TIMEOUT
+    # Gloo names the dead peer only by address; in a group of two it is the other member.
+    assert survivor["first"]["peer_rank"] == 1
+    assert "group rank 1 (global rank 1), the only other member" in survivor["first"]["message"]
     # The dead group fails the next operation at once, without touching the wire.
     assert survivor["second"]["op"] == "all_gather"
     assert survivor["second"]["seconds"] < 1.0

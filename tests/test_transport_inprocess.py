@@ -20,6 +20,7 @@ from evenflow.transports.errors import (
     TransportTimeoutError,
 )
 from evenflow.transports.testing import (
+    WrappedTransport,
     check_inprocess_conformance,
     check_transport,
     run_inprocess,
@@ -61,6 +62,26 @@ def test_conformance_with_timeout_check(threads: bool) -> None:
 @pytest.mark.asyncio
 async def test_conformance_with_default_large_payload() -> None:
     await run_inprocess(2, check_transport)
+
+
+@pytest.mark.asyncio
+async def test_a_wrapped_transport_passes_the_conformance_suite_and_closes_its_inner() -> None:
+    inner: list[InProcessTransport] = []
+
+    async def wrapped(t: InProcessTransport) -> None:
+        inner.append(t)
+        wrapper = WrappedTransport(t)
+        assert (wrapper.rank, wrapper.num_ranks, wrapper.timeout) == (t.rank, 2, t.timeout)
+        await check_transport(wrapper, large_bytes=1 << 10)
+        assert wrapper.closed
+
+    await run_inprocess(2, wrapped)
+    assert len(inner) == 2 and all(t.closed for t in inner)
+
+
+def test_a_wrapped_transport_needs_a_transport() -> None:
+    with pytest.raises(TypeError, match="inner must be an evenflow Transport, but got dict"):
+        WrappedTransport({})  # type: ignore[arg-type]
 
 
 @pytest.mark.asyncio

@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from evenflow.transports import errors
 from evenflow.transports._base import InlineLauncher, Launcher, Transport
+
+if TYPE_CHECKING:
+    # The names below are served lazily at run time (see __getattr__); type checkers
+    # import them here so that users see the real classes and functions, never Any.
+    from evenflow.transports._device import DeviceTransport
+    from evenflow.transports._gloo import GlooTransport
+    from evenflow.transports._inprocess import (
+        InProcessGroup,
+        InProcessStatistics,
+        InProcessTransport,
+    )
+    from evenflow.transports._local import LocalTransport
+    from evenflow.transports._registry import create_transport, register_transport
+    from evenflow.transports._wire import (
+        DEFAULT_MAX_FRAME_BYTES,
+        decode,
+        decode_many,
+        encode,
+        encode_many,
+    )
 
 _LAZY: dict[str, str] = {
     "encode": "evenflow.transports._wire",

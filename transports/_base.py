@@ -20,6 +20,13 @@ T = TypeVar("T")
 Outgoing = Mapping[int, Sequence[tuple[Hashable, Any]]]
 
 
+def check_timeout(timeout: object) -> float:
+    """``timeout`` in seconds, validated: the one check every transport constructor uses."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, but got {timeout!r}.")
+    return float(timeout)
+
+
 class Launcher(Protocol):
     """Runs the *launch* half of a collective on the thread that is allowed to launch.
 
@@ -108,12 +115,11 @@ class Transport(abc.ABC):
             raise ValueError(
                 f"global_ranks must list num_ranks={num_ranks} ranks, but got {ranks!r}."
             )
-        if not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+        seconds = check_timeout(timeout)
         self._rank = rank
         self._num_ranks = num_ranks
         self._global_ranks = ranks
-        self._timeout = float(timeout)
+        self._timeout = seconds
         self._closed = False
         self.launcher: Launcher = InlineLauncher()
 
@@ -188,6 +194,16 @@ class Transport(abc.ABC):
             )
 
     def _check_routes(self, outgoing: Outgoing) -> None:
+        """``outgoing`` is a mapping whose targets are group ranks (``TypeError``/``RouteError``).
+
+        The items are checked where the exchange layout is built
+        (:func:`evenflow.transports._protocol.pack_outgoing`).
+        """
+        if not isinstance(outgoing, Mapping):
+            raise TypeError(
+                f"Rank {self._rank}: exchange outgoing must map target ranks to lists of "
+                f"(key, payload) pairs, but got {outgoing!r:.80} ({type(outgoing).__name__})."
+            )
         bad = sorted(
             repr(t)
             for t in outgoing

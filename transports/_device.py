@@ -4,7 +4,7 @@ This is the NCCL/HCCL design (invariant 2 of the design): collectives share the 
 the training step, so they are only *launched* at launch points, on the training loop's
 thread, through :attr:`Transport.launcher`; everything that blocks or costs CPU (encoding,
 ``work.wait()``, device-to-host copies, decoding) runs on this transport's single *waiter*
-thread. The protocol is that of :mod:`evenflow.transports._gloo` (sizes first, validated,
+thread. The protocol is that of :mod:`evenflow.transports._protocol` (sizes first, validated,
 then ONE uint8 collective), so one operation is two launches: the sizes collective
 (``final=False``) and, after the waiter has read the sizes back to the host, the data
 collective (``final=True``).
@@ -36,18 +36,16 @@ import numpy.typing as npt
 import torch
 import torch.distributed as dist
 
-from evenflow.transports._base import Outgoing, Transport
-from evenflow.transports._gloo import (
-    _FAILED,
-    _check_max_frame_bytes,
-    _check_timeout,
-    _close_owned,
-    _membership,
-    _open_group,
-    _Protocol,
-    normalize_outgoing,
+from evenflow.transports._base import Outgoing, Transport, check_timeout
+from evenflow.transports._protocol import (
+    FAILED,
+    Protocol,
+    close_owned,
+    membership,
+    open_group,
+    pack_outgoing,
 )
-from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, decode_many
+from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError, WireFormatError
 
 __all__ = ["DeviceTransport"]
@@ -118,19 +116,19 @@ class DeviceTransport(Transport):
         timeout: float = 30.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
     ) -> None:
-        seconds = _check_timeout(timeout)
-        limit = _check_max_frame_bytes(max_frame_bytes)
+        seconds = check_timeout(timeout)
+        limit = check_max_frame_bytes(max_frame_bytes)
         given_backend = None
         if process_group is not None and dist.is_initialized():
             given_backend = str(dist.get_backend(process_group))
         self._device = _resolve_device(device, given_backend)
-        group, created = _open_group(
+        group, created = open_group(
             process_group, ranks, seconds, _backend_for(self._device), "DeviceTransport"
         )
-        super().__init__(**_membership(group), timeout=seconds)
+        super().__init__(**membership(group), timeout=seconds)
         self._group = group
         self._owns_group = created
-        self._proto = _Protocol.of(self, limit)
+        self._proto = Protocol.of(self, limit)
         self._broken: TransportError | None = None
         self._accel = self._device.type != "cpu"
         # Accelerator handles exist only on an accelerator: a CPU build never touches them.
@@ -160,7 +158,7 @@ class DeviceTransport(Transport):
         self._check_ready(op)
         n = self.num_ranks
         frame, error = await self._off_thread(op, functools.partial(self._encode_one, op, obj))
-        size = frame.numel() if error is None else _FAILED
+        size = frame.numel() if error is None else FAILED
         incoming = await self._exchange_sizes(op, [size] * n)
         await self._abort_if_failed(op, error, incoming)
 
@@ -180,7 +178,7 @@ class DeviceTransport(Transport):
         frame = torch.empty(0, dtype=torch.uint8)
         if self.rank == src:
             frame, error = await self._off_thread(op, functools.partial(self._encode_one, op, obj))
-        announced = frame.numel() if error is None else _FAILED
+        announced = frame.numel() if error is None else FAILED
         size_host = await self._off_thread(op, lambda: self._stage(np.array([announced])))
         box: list[torch.Tensor] = []
 
@@ -225,7 +223,11 @@ class DeviceTransport(Transport):
     async def aclose(self) -> None:
         """Join the waiter thread and destroy the group this transport created."""
         if not self._closed:
-            await _close_owned(self, self._waiter)
+            self._closed = True
+            self._finalizer.detach()
+            await close_owned(
+                self._waiter, self._group, destroy=self._owns_group and self._broken is None
+            )
 
     # -- the two launches of one operation ------------------------------------------------------
 
@@ -299,6 +301,7 @@ class DeviceTransport(Transport):
                 f"group unusable ({self._broken}).",
                 rank=self.rank,
                 op=op,
+                peer_rank=self._broken.peer_rank,
             ) from self._broken
 
     def _encode_one(self, op: str, obj: Any) -> tuple[torch.Tensor, Exception | None]:
@@ -311,11 +314,11 @@ class DeviceTransport(Transport):
         self, outgoing: Outgoing
     ) -> tuple[torch.Tensor, list[int], Exception | None]:
         try:
-            lists = normalize_outgoing(outgoing, self.num_ranks)
-            buffer, sizes = self._proto.encode_exchange("exchange", lists)
+            packed = pack_outgoing(self.rank, outgoing)
+            buffer, sizes = self._proto.encode_exchange("exchange", packed)
             return self._stage(buffer), sizes, None
         except Exception as exc:
-            return torch.empty(0, dtype=torch.uint8), [_FAILED] * self.num_ranks, exc
+            return torch.empty(0, dtype=torch.uint8), [FAILED] * self.num_ranks, exc
 
     @contextlib.contextmanager
     def _on_stream(self) -> Iterator[None]:

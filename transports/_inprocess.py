@@ -36,7 +36,7 @@ import numpy as np
 
 from evenflow.transports import _wire
 from evenflow.transports._base import Outgoing, Transport
-from evenflow.transports._local import _check_outgoing_mapping, _pack_outgoing, _unpack_into
+from evenflow.transports._protocol import pack_outgoing, unpack_into
 from evenflow.transports.errors import (
     CollectiveMismatchError,
     PeerEncodeError,
@@ -420,9 +420,8 @@ class InProcessTransport(Transport):
     async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         self._begin("exchange")
         try:
-            _check_outgoing_mapping(self._rank, outgoing)
             self._check_routes(outgoing)
-            packed = _pack_outgoing(self._rank, outgoing)
+            packed = pack_outgoing(self._rank, outgoing)
             targets = sorted(packed)
             local_error: Exception | None = None
             deliveries: list[tuple[int, Any]] = []
@@ -463,7 +462,7 @@ class InProcessTransport(Transport):
             messages = _wire.decode_many(incoming, [frame.size for frame in frames])
             received: dict[Hashable, Any] = {}
             for sender, message in zip(senders, messages, strict=True):
-                _unpack_into(received, message, rank=self._rank, sender=sender, op="exchange")
+                unpack_into(received, message, rank=self._rank, sender=sender, op="exchange")
             return received
         finally:
             self._busy = False

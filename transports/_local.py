@@ -6,96 +6,20 @@ the wire format cannot carry raises ``EncodeError`` on one rank exactly as it wo
 and what an operation returns never aliases the caller's objects (mutating a received array
 cannot corrupt the sender's copy, as on a real group).
 
-The helpers that turn one target's ``(key, payload)`` list into a single encodable value and
-back are shared with the in-process transport, so both speak the same exchange layout.
+Its exchange speaks the one exchange layout of :mod:`evenflow.transports._protocol`, like
+every other transport.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable
 from typing import Any, ClassVar
 
 from evenflow.transports import _wire
 from evenflow.transports._base import Outgoing, Transport
-from evenflow.transports.errors import TransportError
+from evenflow.transports._protocol import pack_outgoing, unpack_into
 
 __all__ = ["LocalTransport"]
-
-
-def _pack_items(rank: int, target: int, items: object) -> list[list[Any]] | None:
-    """One target's ``(key, payload)`` sequence as ``[keys, payloads]``; ``None`` when empty.
-
-    Two parallel lists encode with less per-item overhead than a list of pairs. Raises
-    ``TypeError`` for anything that is not a sequence of pairs, before any data moves.
-    """
-    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
-        raise TypeError(
-            f"Rank {rank}: exchange outgoing[{target}] must be a list of (key, payload) pairs, "
-            f"but got {items!r} ({type(items).__name__})."
-        )
-    if not items:
-        return None
-    keys: list[Any] = []
-    payloads: list[Any] = []
-    for item in items:
-        if not isinstance(item, tuple) or len(item) != 2:
-            raise TypeError(
-                f"Rank {rank}: every item of exchange outgoing[{target}] must be a "
-                f"(key, payload) tuple, but got {item!r}; wrap it as (key, payload)."
-            )
-        keys.append(item[0])
-        payloads.append(item[1])
-    return [keys, payloads]
-
-
-def _pack_outgoing(rank: int, outgoing: Outgoing) -> dict[int, list[list[Any]]]:
-    """Every non-empty target of ``outgoing`` with its packed items (targets already checked)."""
-    packed: dict[int, list[list[Any]]] = {}
-    for target, items in outgoing.items():
-        value = _pack_items(rank, target, items)
-        if value is not None:
-            packed[target] = value
-    return packed
-
-
-def _check_outgoing_mapping(rank: int, outgoing: object) -> None:
-    if not isinstance(outgoing, Mapping):
-        raise TypeError(
-            f"Rank {rank}: exchange outgoing must map target ranks to lists of (key, payload) "
-            f"pairs, but got {outgoing!r} ({type(outgoing).__name__})."
-        )
-
-
-def _unpack_into(
-    received: dict[Hashable, Any], packed: object, *, rank: int, sender: int, op: str
-) -> None:
-    """Add one sender's decoded ``[keys, payloads]`` to ``received``.
-
-    Keys must be unique per receiver; a duplicate is the senders' bug, reported here because
-    only the receiver sees every sender's keys.
-    """
-    if (
-        not isinstance(packed, list)
-        or len(packed) != 2
-        or not isinstance(packed[0], list)
-        or not isinstance(packed[1], list)
-        or len(packed[0]) != len(packed[1])
-    ):
-        raise TransportError(
-            f"Rank {rank}: {op} received a malformed message from rank {sender} "
-            f"(expected [keys, payloads] of equal length).",
-            rank=rank,
-            op=op,
-        )
-    for key, payload in zip(packed[0], packed[1], strict=True):
-        if key in received:
-            raise TransportError(
-                f"Rank {rank}: {op} received key {key!r} more than once (again from rank "
-                f"{sender}); keys must be unique per receiving rank.",
-                rank=rank,
-                op=op,
-            )
-        received[key] = payload
 
 
 def _roundtrip(obj: Any) -> Any:
@@ -131,10 +55,9 @@ class LocalTransport(Transport):
 
     async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         self._check_open("exchange")
-        _check_outgoing_mapping(self._rank, outgoing)
         self._check_routes(outgoing)
-        packed = _pack_outgoing(self._rank, outgoing)
+        packed = pack_outgoing(self._rank, outgoing)
         received: dict[Hashable, Any] = {}
         if 0 in packed:
-            _unpack_into(received, _roundtrip(packed[0]), rank=0, sender=0, op="exchange")
+            unpack_into(received, _roundtrip(packed[0]), rank=0, sender=0, op="exchange")
         return received

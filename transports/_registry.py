@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from evenflow.transports._base import Transport
+from evenflow.transports._inprocess import InProcessGroup
 
 __all__ = ["create_transport", "register_transport"]
 
@@ -35,7 +36,6 @@ def _known_names() -> list[str]:
 
 
 def _create_inprocess(**kwargs: Any) -> Transport:
-    from evenflow.transports._inprocess import InProcessGroup
 
     missing = [name for name in ("group", "rank") if name not in kwargs]
     extra = sorted(set(kwargs) - {"group", "rank"})

@@ -705,16 +705,18 @@ class _FrameReader:
         return tensor.view(spec.torch).view(shape)
 
 
-def _check_limit(max_frame_bytes: int) -> int:
+def check_max_frame_bytes(max_frame_bytes: object) -> int:
+    """``max_frame_bytes`` validated: the one check of that value (decoders and transports)."""
     if isinstance(max_frame_bytes, bool) or not isinstance(max_frame_bytes, int):
         raise TypeError(
             f"max_frame_bytes must be an int, but got {max_frame_bytes!r} "
-            f"({type(max_frame_bytes).__name__})."
+            f"({type(max_frame_bytes).__name__}); pass a number of bytes >= {_ALIGN}, e.g. "
+            f"the default {DEFAULT_MAX_FRAME_BYTES}."
         )
     if max_frame_bytes < _ALIGN:
         raise ValueError(
             f"max_frame_bytes must be at least {_ALIGN} (the smallest frame), "
-            f"but got {max_frame_bytes!r}."
+            f"but got {max_frame_bytes!r}; the default is {DEFAULT_MAX_FRAME_BYTES}."
         )
     return max_frame_bytes
 
@@ -814,7 +816,7 @@ def decode(buffer: Any, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> An
     :class:`~evenflow.transports.errors.WireFormatError` for anything else that is not one
     valid frame of at most ``max_frame_bytes`` bytes.
     """
-    limit = _check_limit(max_frame_bytes)
+    limit = check_max_frame_bytes(max_frame_bytes)
     view = _as_view(buffer)
     return _decode_frame(view, limit) if len(view) else None
 
@@ -833,7 +835,7 @@ def decode_many(
     :func:`encode_many` exactly. Each other segment is checked like :func:`decode`, with
     ``max_frame_bytes`` applying to each frame.
     """
-    limit = _check_limit(max_frame_bytes)
+    limit = check_max_frame_bytes(max_frame_bytes)
     view = _as_view(buffer)
     try:
         lengths = [operator.index(size) for size in sizes]

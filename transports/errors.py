@@ -46,12 +46,25 @@ class EncodeError(EvenflowError, TypeError):
 
 
 class TransportError(EvenflowError):
-    """A collective operation failed. The message names the rank and the operation."""
+    """A collective operation failed. The message names the rank and the operation.
 
-    def __init__(self, message: str, *, rank: int | None = None, op: str | None = None) -> None:
+    ``rank`` is the group rank that raised, ``op`` the operation, and ``peer_rank`` the group
+    rank of the peer that failed when that is known (torch.distributed named it, or the group
+    has only one other member), else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        op: str | None = None,
+        peer_rank: int | None = None,
+    ) -> None:
         super().__init__(message)
         self.rank = rank
         self.op = op
+        self.peer_rank = peer_rank
 
 
 class TransportTimeoutError(TransportError, TimeoutError):

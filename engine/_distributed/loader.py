@@ -1,44 +1,33 @@
-"""Model-parallel batch broadcast: one rank builds a batch, its tp/cp/pp peers receive it.
+"""The loader every rank of a mesh gets, and the error codec of the model-parallel broadcast.
 
-Ranks that differ only in model-parallel coordinates must train on the same batch. Only the
-*constructor* of a data-parallel coordinate reads, balances and collates; after each delivered
-step it broadcasts the host (CPU) batch to its peers over a Gloo group of those ranks, which
-then copy it to their own device. The peers never touch their source.
+Ranks that differ only in model-parallel coordinates must train on the same batch: the
+*constructor* of a data-parallel coordinate reads, balances and collates, and sends each
+delivered step's host batch to its peers through the
+:class:`~evenflow.transports._broadcast.BatchBroadcaster` (its message format is described
+there). ``end`` and ``error`` messages carry no batch; they make every peer stop or raise at
+the same step as the constructor.
 
-One batch is one *message*, three kinds of collectives in a fixed order (so every member can
-size its receive buffers before the bytes arrive):
-
-1. ``broadcast`` of one int64: the header's length;
-2. ``broadcast`` of the header: a wire frame (msgpack + raw buffers, never pickle) holding the
-   status (``ok`` / ``end`` / ``error``), epoch, step, the batch's structure with every large
-   tensor replaced by an index, and each such tensor's dtype, shape and byte count;
-3. one ``broadcast`` per large tensor, sent directly from its memory as a flat byte view.
-
-Tensors below ``inline_bytes`` ride inside the header instead: one small copy is cheaper than
-one collective each. ``end`` and ``error`` messages carry no batch; they make every peer stop
-or raise at the same step as the constructor.
-
-All of a group's collectives run on one dedicated single-worker executor (two threads driving
-one Gloo group corrupt data), whether the loader is iterated synchronously or asynchronously.
+All of a group's collectives run on the broadcaster's single-worker executor (two threads
+driving one Gloo group corrupt data), whether the loader is iterated synchronously or
+asynchronously.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import functools
-import hashlib
-import json
-import math
-from collections.abc import Callable, Coroutine
-from datetime import timedelta
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import torch
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._distributed.topology import Topology
+from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
+from evenflow.engine._pipeline.parts import (
+    check_config,
+    fingerprint_of,
+    loader_identity,
+    loader_parts,
+)
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import (
     ConfigError,
@@ -49,7 +38,9 @@ from evenflow.engine.errors import (
     ResumeError,
     SourceExhaustedError,
 )
-from evenflow.transports import Transport, _wire
+from evenflow.transports import Transport
+from evenflow.transports._broadcast import BatchBroadcaster
+from evenflow.transports._remote import RemoteErrorInfo, traceback_note
 from evenflow.transports.errors import (
     EncodeError,
     PeerFailureError,
@@ -63,25 +54,9 @@ if TYPE_CHECKING:
     from evenflow.engine._pipeline.loader import BalancedLoader
     from evenflow.engine._pipeline.stats import StepStats
 
-__all__ = [
-    "BatchBroadcaster",
-    "DistributedLoader",
-    "decode_error",
-    "encode_error",
-    "join_batch",
-    "run_coroutine",
-    "split_batch",
-]
+__all__ = ["DistributedLoader", "decode_error", "encode_error"]
 
 T = TypeVar("T")
-
-MESSAGE_VERSION = 1
-#: Tensors smaller than this travel inside the header frame.
-DEFAULT_INLINE_BYTES = 64 << 10
-#: Largest header a receiver accepts (a header holds the small tensors of one batch).
-MAX_HEADER_BYTES = 1 << 30
-#: Largest single tensor a receiver allocates.
-MAX_TENSOR_BYTES = 1 << 40
 
 # Errors a peer re-raises as the same class (their constructors take just a message).
 _PORTABLE: dict[str, type[Exception]] = {
@@ -100,293 +75,54 @@ _PORTABLE: dict[str, type[Exception]] = {
 }
 
 
-# -- batch structure ---------------------------------------------------------------------------
-
-
-def split_batch(batch: Any, *, inline_bytes: int = DEFAULT_INLINE_BYTES) -> tuple[Any, list[Any]]:
-    """``(tree, tensors)``: the batch's structure, and the large tensors it refers to by index.
-
-    The tree is tagged so that it decodes unambiguously whatever the user's keys are:
-    ``["t", i]`` tensor ``i``, ``["d", keys, values]`` mapping, ``["l", items]`` list,
-    ``["u", items]`` tuple (namedtuples included), ``["v", value]`` any other wire value.
-    Large tensors are returned contiguous, on the CPU, flattened to bytes.
-    """
-    tensors: list[Any] = []
-
-    def walk(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensor = value.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes < inline_bytes:
-                return ["v", tensor]
-            tensors.append(tensor.contiguous())
-            return ["t", len(tensors) - 1]
-        if isinstance(value, dict):
-            return ["d", list(value.keys()), [walk(v) for v in value.values()]]
-        if isinstance(value, list):
-            return ["l", [walk(v) for v in value]]
-        if isinstance(value, tuple):
-            return ["u", [walk(v) for v in value]]
-        return ["v", value]
-
-    return walk(batch), tensors
-
-
-def join_batch(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`split_batch` (namedtuples come back as tuples, mappings as dicts)."""
-
-    def walk(node: Any) -> Any:
-        if not isinstance(node, (list, tuple)) or not node:
-            raise WireFormatError(f"Malformed batch structure node {node!r:.80}.")
-        tag = node[0]
-        if tag == "v" and len(node) == 2:
-            return node[1]
-        if tag == "t" and len(node) == 2 and isinstance(node[1], int):
-            if not 0 <= node[1] < len(tensors):
-                raise WireFormatError(f"Batch structure refers to missing tensor {node[1]}.")
-            return tensors[node[1]]
-        if tag == "d" and len(node) == 3 and len(node[1]) == len(node[2]):
-            return {k: walk(v) for k, v in zip(node[1], node[2], strict=True)}
-        if tag == "l" and len(node) == 2:
-            return [walk(v) for v in node[1]]
-        if tag == "u" and len(node) == 2:
-            return tuple(walk(v) for v in node[1])
-        raise WireFormatError(f"Malformed batch structure node {node!r:.80}.")
-
-    return walk(tree)
-
-
-def _describe(tensor: torch.Tensor) -> list[Any]:
-    return [str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]
-
-
-def _allocate(desc: Any) -> torch.Tensor:
-    """An empty tensor for a received descriptor, validated (the header is peer data)."""
-    ok = isinstance(desc, (list, tuple)) and len(desc) == 2
-    dtype = getattr(torch, desc[0], None) if ok and isinstance(desc[0], str) else None
-    shape = desc[1] if ok else None
-    if (
-        not isinstance(dtype, torch.dtype)
-        or not isinstance(shape, (list, tuple))
-        or not all(isinstance(d, int) and d >= 0 for d in shape)
-        or math.prod(shape) * dtype.itemsize > MAX_TENSOR_BYTES
-    ):
-        raise WireFormatError(f"Malformed tensor descriptor {desc!r:.120} in a batch header.")
-    return torch.empty(tuple(shape), dtype=dtype)
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor's memory (every dtype broadcasts as bytes)."""
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 # -- errors across the broadcast -----------------------------------------------------------------
 
 
 def encode_error(exc: BaseException, *, rank: int, step: int) -> dict[str, Any]:
-    """Plain-data description of the constructor's failure, for its peers."""
-    if isinstance(exc, RemoteStageError):
-        return {
-            "kind": "remote",
-            "rank": exc.failed_rank,
-            "stage": exc.stage,
-            "step": exc.step,
-            "type": exc.error_type,
-            "message": exc.remote_message,
-        }
-    name = type(exc).__name__
-    if type(exc) is _PORTABLE.get(name):
-        return {"kind": "same", "type": name, "message": str(exc)[:4000]}
-    return {
-        "kind": "remote",
-        "rank": rank,
-        "stage": "constructor",
-        "step": step,
-        "type": name,
-        "message": str(exc)[:4000],
-    }
+    """Plain-data description of the constructor's failure, for its peers.
 
-
-def decode_error(info: Any) -> Exception:
-    """The exception a peer raises for :func:`encode_error`'s description."""
-    if not isinstance(info, dict):
-        return WireFormatError(f"Malformed error description {info!r:.120} in a batch header.")
-    if info.get("kind") == "same" and info.get("type") in _PORTABLE:
-        return _PORTABLE[info["type"]](str(info.get("message", "")))
-    try:
-        return RemoteStageError(
-            failed_rank=int(info["rank"]),
-            stage=str(info["stage"]),
-            step=int(info["step"]),
-            error_type=str(info["type"]),
-            message=str(info["message"]),
-        )
-    except (KeyError, TypeError, ValueError):
-        return WireFormatError(f"Malformed error description {info!r:.120} in a batch header.")
-
-
-# -- the broadcaster ---------------------------------------------------------------------------
-
-
-class BatchBroadcaster:
-    """Messages from the constructor (``ranks[0]``) to the other ``ranks`` of one Gloo group.
-
-    ``send`` on the constructor and ``receive`` on every peer, the same number of times in the
-    same order. Blocking methods run on the broadcaster's own executor (use :meth:`call` or
-    :meth:`acall`). After a failed collective the group is dead: later calls raise at once.
+    ``kind`` is ``"same"`` for the engine's own message-only errors (the peer raises the same
+    class) and ``"remote"`` otherwise (the peer raises a ``RemoteStageError``); a
+    ``RemoteStageError`` is forwarded with its origin (rank, stage, step, traceback) intact.
     """
-
-    def __init__(
-        self,
-        process_group: Any,
-        *,
-        ranks: tuple[int, ...],
-        rank: int,
-        timeout: float,
-        inline_bytes: int = DEFAULT_INLINE_BYTES,
-    ) -> None:
-        if rank not in ranks:
-            raise ValueError(f"rank {rank} is not a member of the broadcast group {ranks!r}.")
-        self._group = process_group
-        self._ranks = ranks
-        self._rank = rank
-        self._timeout = timedelta(seconds=timeout)
-        self._inline = inline_bytes
-        self._broken: str | None = None
-        self._closed = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"evenflow-mp-{ranks[0]}"
-        )
-
-    @property
-    def is_sender(self) -> bool:
-        return self._rank == self._ranks[0]
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        return self._ranks
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the broadcaster's thread and wait for it (sync callers)."""
-        self._check_open()
-        return self._executor.submit(fn).result()
-
-    async def acall(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the broadcaster's thread (async callers)."""
-        self._check_open()
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderStateError("The model-parallel broadcast is closed.")
-        if self._broken is not None:
-            raise PeerFailureError(
-                f"Rank {self._rank}: the model-parallel broadcast among ranks "
-                f"{list(self._ranks)} failed earlier ({self._broken}); it cannot be used again.",
-                rank=self._rank,
-                op="broadcast",
-            )
-
-    def send(self, header: dict[str, Any], batch: Any = None) -> None:
-        """Broadcast one message (blocking). Encoding errors raise before anything is sent."""
-        assert self.is_sender, "only the constructor sends"
-        tree, tensors = split_batch(batch, inline_bytes=self._inline)
-        frame = _wire.encode(
-            {
-                **header,
-                "v": MESSAGE_VERSION,
-                "tree": tree,
-                "tensors": [_describe(t) for t in tensors],
-            }
-        )
-        payload = torch.from_numpy(frame)
-        self._collective("header size", torch.tensor([payload.numel()], dtype=torch.int64))
-        self._collective("header", payload)
-        for tensor in tensors:
-            if tensor.numel():
-                self._collective("tensor", _as_bytes(tensor))
-
-    def receive(self) -> tuple[dict[str, Any], Any]:
-        """Receive one message (blocking): ``(header, batch)``; ``batch`` is None unless ok."""
-        assert not self.is_sender, "the constructor does not receive"
-        size = torch.zeros(1, dtype=torch.int64)
-        self._collective("header size", size)
-        length = int(size.item())
-        if not 0 < length <= MAX_HEADER_BYTES:
-            self._broken = f"header size {length}"
-            raise WireFormatError(
-                f"Rank {self._rank}: received a batch header size of {length} bytes from rank "
-                f"{self._ranks[0]}, outside (0, {MAX_HEADER_BYTES}]."
-            )
-        payload = torch.empty(length, dtype=torch.uint8)
-        self._collective("header", payload)
-        try:
-            header = _wire.decode(payload.numpy())
-            if not isinstance(header, dict) or header.get("v") != MESSAGE_VERSION:
-                raise WireFormatError(
-                    f"Rank {self._rank}: a batch header from rank {self._ranks[0]} is not a "
-                    f"version {MESSAGE_VERSION} header; are all ranks running the same evenflow?"
-                )
-            tensors = [_allocate(d) for d in header.get("tensors", [])]
-        except WireFormatError as exc:
-            # The sender will broadcast tensors we cannot size: the group is out of step.
-            self._broken = str(exc)
-            raise
-        for tensor in tensors:
-            if tensor.numel():
-                self._collective("tensor", _as_bytes(tensor))
-        batch = join_batch(header.get("tree"), tensors) if header.get("status") == "ok" else None
-        return header, batch
-
-    def _collective(self, what: str, tensor: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        try:
-            dist.broadcast(tensor, src=self._ranks[0], group=self._group)
-        except RuntimeError as exc:
-            text = str(exc)
-            self._broken = text[:200]
-            lowered = text.lower()
-            cls: type[TransportError] = (
-                TransportTimeoutError
-                if "timeout" in lowered or "timed out" in lowered
-                else PeerFailureError
-            )
-            raise cls(
-                f"Rank {self._rank}: the model-parallel batch broadcast ({what}) from rank "
-                f"{self._ranks[0]} to ranks {list(self._ranks)} failed: {text}. A peer left, "
-                f"crashed or did not iterate within {self._timeout.total_seconds():g} s; every "
-                "rank of a model-parallel group must iterate the same steps.",
-                rank=self._rank,
-                op="broadcast",
-            ) from exc
-
-    def close(self) -> None:
-        """Join the broadcaster's thread. Idempotent; never waits for peers."""
-        self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
+    if isinstance(exc, RemoteStageError):
+        return {"kind": "remote", "info": exc.to_info().to_wire()}
+    info = RemoteErrorInfo.from_exception(exc, rank=rank, stage="constructor", step=step)
+    kind = "same" if type(exc) is _PORTABLE.get(type(exc).__name__) else "remote"
+    return {"kind": kind, "info": info.to_wire()}
 
 
-def run_coroutine(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion from synchronous code (in a helper thread if this thread
-    already runs an event loop, e.g. the sync API called from async code)."""
+def decode_error(data: Any) -> Exception:
+    """The exception a peer raises for :func:`encode_error`'s description."""
     try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="evenflow-close") as pool:
-        return pool.submit(asyncio.run, coro).result()
+        if not isinstance(data, dict) or data.get("kind") not in ("same", "remote"):
+            raise WireFormatError(
+                f"Malformed error description {data!r:.120} in a batch header: expected a "
+                "mapping with kind 'same' or 'remote'."
+            )
+        info = RemoteErrorInfo.from_wire(data.get("info"), sender="the batch constructor")
+        if info.rank is None or info.step is None:
+            raise WireFormatError(
+                f"Malformed error description in a batch header: it names rank {info.rank!r} "
+                f"and step {info.step!r}; both must be non-negative integers."
+            )
+    except WireFormatError as exc:
+        return exc
+    portable = _PORTABLE.get(info.error_type)
+    if data["kind"] == "same" and portable is not None:
+        error = portable(info.message)
+        if info.traceback:
+            error.add_note(traceback_note(f"rank {info.rank}", info.traceback))
+        return error
+    return RemoteStageError.from_info(info, failed_rank=info.rank)
 
 
 # -- the loader every rank of a mesh gets --------------------------------------------------------
 
-_END: Any = object()
 FOLLOWER_STATE_FORMAT = "evenflow.follower"
 
 
-class DistributedLoader:
+class DistributedLoader(LoaderFacade):
     """The loader :func:`~evenflow.engine.build_loader` returns: ``BalancedLoader``'s API on
     every rank of a mesh.
 
@@ -397,11 +133,14 @@ class DistributedLoader:
     and errors reach followers in the same message stream, so they stop or raise at the same
     step. Every rank of a model-parallel group must iterate the same way (both sync or both
     async) and the same number of steps, and call ``set_epoch`` / ``load_state_dict`` at the
-    same points. A follower's ``last_stats`` is always None.
+    same points. A follower's ``last_stats`` is always None. The lifecycle (modes, closing,
+    misuse errors) is ``BalancedLoader``'s, from the same :class:`LoaderFacade`.
 
     Limit: the constructor sends a batch when its caller takes it, so a follower's ``next()``
     waits for the constructor's; model-parallel peers run in lockstep anyway.
     """
+
+    _reopen_hint = "build a new one"
 
     def __init__(
         self,
@@ -415,6 +154,7 @@ class DistributedLoader:
         identity: dict[str, Any],
         release: Callable[[], None],
     ) -> None:
+        super().__init__()
         self._topology = topology
         self._config = config
         self._inner = inner
@@ -423,8 +163,6 @@ class DistributedLoader:
         self._stager = stager
         self._identity = identity
         self._release_groups = release
-        self._mode: str | None = None
-        self._closed = False
         # Follower-side position; constructors read theirs from the inner loader.
         self._epoch = 0
         self._step = 0
@@ -463,32 +201,26 @@ class DistributedLoader:
         broadcaster: BatchBroadcaster | None,
         loader_kwargs: dict[str, Any],
         release: Callable[[], None],
+        transport: str,
     ) -> DistributedLoader:
-        from evenflow.engine._pipeline.h2d import DeviceStager
-        from evenflow.engine._pipeline.loader import BalancedLoader
-
+        """A follower of ``topology``'s constructor. ``loader_kwargs`` are validated exactly as
+        the constructor's ``BalancedLoader`` validates them, and the identity is the
+        constructor's (same function, same planner, group and transport name; ``transport``
+        is the build's transport name, ``"gloo"`` or ``"device"``)."""
         if broadcaster is None:
             raise ValueError("A follower rank needs the broadcast group of its constructor.")
-        # A never-iterated loader validates the arguments exactly as the constructor's does
-        # and yields the identity that the build agreement compares.
-        shadow = BalancedLoader((), config=config, **loader_kwargs)
-        try:
-            identity = {**shadow.identity(), "group": list(topology.balance_group)}
-        finally:
-            shadow.close()
-        stager = DeviceStager(
-            loader_kwargs.get("device"),
-            move_fn=loader_kwargs.get("move_fn"),
-            cpu_fields=tuple(loader_kwargs.get("cpu_fields", ())),
-        )
+        group = topology.balance_group
+        parts = loader_parts(check_config(config), num_ranks=len(group), **loader_kwargs)
+        # build_loader gives a balance group of one rank a local transport.
+        name = "local" if len(group) == 1 else transport
         return cls(
             topology=topology,
             config=config,
             inner=None,
             transport=None,
             broadcaster=broadcaster,
-            stager=stager,
-            identity=identity,
+            stager=parts.stager,
+            identity=loader_identity(config, parts.planner, group, name),
             release=release,
         )
 
@@ -542,9 +274,7 @@ class DistributedLoader:
         return dict(self._identity)
 
     def fingerprint(self) -> str:
-        return hashlib.sha256(
-            json.dumps(self._identity, sort_keys=True, default=str).encode()
-        ).hexdigest()[:24]
+        return fingerprint_of(self._identity)
 
     def trace_summary(self) -> dict[str, Any]:
         return self._inner.trace_summary() if self._inner is not None else {}
@@ -566,151 +296,59 @@ class DistributedLoader:
             f"group={list(self.group_ranks)} mp={list(self.mp_ranks)} step={self.step}>"
         )
 
-    # -- sync iteration ------------------------------------------------------------------------
+    # -- the entry points' bodies (LoaderFacade writes the sync and async forms) ---------------
 
-    def __iter__(self) -> DistributedLoader:
-        self._enter("sync")
-        return self
-
-    def __next__(self) -> Any:
-        self._enter("sync")
+    async def _produce(self, run: Runner) -> Any:
         self._check_pass()
         if self._inner is None:
             assert self._bc is not None
             if self._pass_state == "end":
-                raise StopIteration
-            result = self._accept(*self._bc.call(self._receive))
-            if result is _END:
-                raise StopIteration
-            return result
+                return END
+            return self._accept(*(await self._broadcast(run, self._receive)))
         try:
-            batch = next(self._inner)
-        except StopIteration:
-            self._announce_sync("end", None)
-            raise
+            batch = await self._inner._next(run.blocking)
         except Exception as exc:
-            self._announce_sync("error", exc)
+            await self._announce(run, "error", exc)
             raise
+        if batch is END:
+            await self._announce(run, "end", None)
+            return END
         if self._bc is not None:
-            header = self._header("ok", None)
+            send = functools.partial(
+                self._bc.send, self._header("ok", None), self._inner.last_host_batch
+            )
             try:
-                self._bc.call(functools.partial(self._bc.send, header, self._inner.last_host_batch))
+                await self._broadcast(run, send)
             except EncodeError as exc:  # raised before anything was sent
-                self._announce_sync("error", exc)
+                await self._announce(run, "error", exc)
                 raise
         return batch
 
-    def prefetch_plan(self) -> None:
-        """See ``BalancedLoader.prefetch_plan``; a no-op on followers."""
+    async def _prefetch_until(self, goal: str, run: Runner) -> None:
+        # A follower has no launch points of its own; its constructor's loader does.
         if self._inner is not None:
-            self._inner.prefetch_plan()
+            await self._inner._prefetch(goal, run.blocking)
 
-    def prefetch(self) -> None:
-        """See ``BalancedLoader.prefetch``; a no-op on followers."""
+    async def _restart(self, epoch: int, run: Runner) -> None:
+        """A new pass at ``epoch`` on every rank of the model-parallel group."""
         if self._inner is not None:
-            self._inner.prefetch()
-
-    def __enter__(self) -> DistributedLoader:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Close the loader, its transport and broadcast, and destroy the groups built for it."""
-        if self._closed:
-            return
-        if self._mode == "async":
-            raise LoaderStateError(
-                "This loader is iterated asynchronously; use 'await loader.aclose()' or "
-                "'async with loader:'."
-            )
-        self._closed = True
-        try:
-            if self._inner is not None:
-                self._inner.close()
-            if self._transport is not None:
-                run_coroutine(self._transport.aclose())
-        finally:
-            self._release()
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start a new pass at ``epoch`` on every rank of the model-parallel group."""
-        self._check_epoch(epoch)
-        if self._inner is not None:
-            self._inner.set_epoch(epoch)
+            await self._inner._set_epoch(epoch, run.blocking)
         self._new_pass(epoch)
 
-    # -- async iteration ------------------------------------------------------------------------
-
-    def __aiter__(self) -> DistributedLoader:
-        self._enter("async")
-        return self
-
-    async def __anext__(self) -> Any:
-        self._enter("async")
-        self._check_pass()
-        if self._inner is None:
-            assert self._bc is not None
-            if self._pass_state == "end":
-                raise StopAsyncIteration
-            result = self._accept(*(await self._bc.acall(self._receive)))
-            if result is _END:
-                raise StopAsyncIteration
-            return result
-        try:
-            batch = await self._inner.__anext__()
-        except StopAsyncIteration:
-            await self._announce_async("end", None)
-            raise
-        except Exception as exc:
-            await self._announce_async("error", exc)
-            raise
-        if self._bc is not None:
-            header = self._header("ok", None)
-            try:
-                await self._bc.acall(
-                    functools.partial(self._bc.send, header, self._inner.last_host_batch)
-                )
-            except EncodeError as exc:
-                await self._announce_async("error", exc)
-                raise
-        return batch
-
-    async def aprefetch_plan(self) -> None:
-        if self._inner is not None:
-            await self._inner.aprefetch_plan()
-
-    async def aprefetch(self) -> None:
-        if self._inner is not None:
-            await self._inner.aprefetch()
-
-    async def __aenter__(self) -> DistributedLoader:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Async form of :meth:`close`."""
-        if self._closed:
-            return
-        self._closed = True
+    async def _release(self, run: Runner) -> None:
+        """Close the loader, its transport and broadcast, and destroy the groups built for it."""
         try:
             if self._inner is not None:
-                await self._inner.aclose()
+                await self._inner._close(run.blocking)
             if self._transport is not None:
-                await self._transport.aclose()
+                await run.once(self._transport.aclose())
         finally:
             # Joining the broadcast thread may wait for a collective in flight.
-            await asyncio.get_running_loop().run_in_executor(None, self._release)
+            await run.offload(self._release_now)
 
-    async def aset_epoch(self, epoch: int) -> None:
-        """Async form of :meth:`set_epoch`."""
-        self._check_epoch(epoch)
-        if self._inner is not None:
-            await self._inner.aset_epoch(epoch)
-        self._new_pass(epoch)
+    @property
+    def _pass_running(self) -> bool:
+        return self._inner is not None and self._inner._pass_running
 
     # -- checkpoints ----------------------------------------------------------------------------
 
@@ -755,29 +393,10 @@ class DistributedLoader:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _enter(self, mode: str) -> None:
-        self._check_open()
-        if self._mode is None:
-            self._mode = mode
-        elif self._mode != mode:
-            raise LoaderStateError(
-                f"This loader is iterated in {self._mode} mode; it cannot also be iterated in "
-                f"{mode} mode. Use one loader per iteration style."
-            )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderStateError("This DistributedLoader is closed; build a new one.")
-
     def _check_pass(self) -> None:
         if self._pass_state == "error":
             assert self._failure is not None
             raise self._failure
-
-    @staticmethod
-    def _check_epoch(epoch: object) -> None:
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"epoch must be a non-negative integer, but got {epoch!r}.")
 
     def _new_pass(self, epoch: int) -> None:
         self._epoch, self._step = epoch, 0
@@ -793,7 +412,7 @@ class DistributedLoader:
         info = None if exc is None else encode_error(exc, rank=self._topology.rank, step=step)
         return {"status": status, "epoch": inner.epoch, "step": step, "error": info}
 
-    def _announce_sync(self, status: str, exc: BaseException | None) -> None:
+    async def _announce(self, run: Runner, status: str, exc: BaseException | None) -> None:
         """Tell the followers that this pass ended or failed (once per pass)."""
         if self._pass_state is not None:
             return
@@ -801,16 +420,12 @@ class DistributedLoader:
         if self._bc is not None:
             header = self._header(status, exc)
             with contextlib.suppress(TransportError, LoaderStateError):
-                self._bc.call(functools.partial(self._bc.send, header))
+                await self._broadcast(run, functools.partial(self._bc.send, header))
 
-    async def _announce_async(self, status: str, exc: BaseException | None) -> None:
-        if self._pass_state is not None:
-            return
-        self._pass_state, self._failure = status, exc
-        if self._bc is not None:
-            header = self._header(status, exc)
-            with contextlib.suppress(TransportError, LoaderStateError):
-                await self._bc.acall(functools.partial(self._bc.send, header))
+    async def _broadcast(self, run: Runner, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the broadcaster's thread (its group's only thread)."""
+        assert self._bc is not None
+        return self._bc.call(fn) if run.blocking else await self._bc.acall(fn)
 
     def _receive(self) -> tuple[dict[str, Any], Any, Any]:
         """On the broadcast thread: one message, staged to the device when it is a batch."""
@@ -820,7 +435,7 @@ class DistributedLoader:
         return header, batch, staged
 
     def _accept(self, header: dict[str, Any], batch: Any, staged: Any) -> Any:
-        """Deliver a received message: the batch, ``_END``, or raise the announced error."""
+        """Deliver a received message: the batch, ``END``, or raise the announced error."""
         assert self._stager is not None
         status = header.get("status")
         if (header.get("epoch"), header.get("step")) != (self._epoch, self._step):
@@ -834,7 +449,7 @@ class DistributedLoader:
             raise self._failure
         if status == "end":
             self._pass_state = "end"
-            return _END
+            return END
         if status == "error":
             self._pass_state, self._failure = "error", decode_error(header.get("error"))
             raise self._failure
@@ -845,7 +460,7 @@ class DistributedLoader:
         self._last_host = batch
         return delivered
 
-    def _release(self) -> None:
+    def _release_now(self) -> None:
         try:
             if self._bc is not None:
                 self._bc.close()

@@ -1,7 +1,9 @@
 """The pipeline: source reading, metadata gather, planning, exchange, pack, host-to-device.
 
-``loader`` is the user-facing ``BalancedLoader``; ``pipeline`` drives the stages over bounded
-channels; ``step`` is the state one step carries through them; ``sequencer`` orders collectives;
-``launchpoints`` queues device launches for the caller's thread; ``pack`` and ``h2d`` turn
-samples into device batches; ``resume`` and ``stats`` are the loader's state and statistics.
+``loader`` is the user-facing ``BalancedLoader``, built from ``parts`` (validated arguments,
+planner, identity) on the lifecycle of ``facade`` (sync and async entry points written once,
+over ``loop_thread``); ``pipeline`` drives the stages over bounded channels; ``step`` is the
+state one step carries through them; ``sequencer`` orders collectives; ``launchpoints`` queues
+device launches for the caller's thread; ``pack`` and ``h2d`` turn samples into device
+batches; ``resume`` and ``stats`` are the loader's state and statistics.
 """

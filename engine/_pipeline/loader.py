@@ -4,57 +4,44 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hashlib
-import json
 import logging
 import sys
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from typing import Any, TypeVar
 
 from evenflow.engine._config import LoaderConfig
+from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
+from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
+from evenflow.engine._pipeline.parts import (
+    check_callables,
+    check_config,
+    fingerprint_of,
+    loader_identity,
+    loader_parts,
+)
 from evenflow.engine._pipeline.pipeline import Pipeline
+from evenflow.engine._pipeline.resume import (
+    STATE_FORMAT,
+    STATE_VERSION,
+    restore_source,
+    validate_state,
+)
 from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import StepState
-from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
+from evenflow.engine._tracing import StallMeter
+from evenflow.engine.errors import LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
+from evenflow.transports._registry import create_transport
 
 __all__ = ["BalancedLoader"]
 
 logger = logging.getLogger("evenflow")
 
-STATE_FORMAT = "evenflow.loader"
-_RUNTIME_ONLY = ("prefetch_depth", "timeout", "log_stats", "switch_interval")
-STATE_VERSION = 1
-LIBRARY_VERSION = "0.1.0"
+T = TypeVar("T")
 
 
-def default_metadata_fn(sample: Any) -> int:
-    """Token count of a sample: ``len(sample["input_ids"])`` for mappings, else ``len(sample)``."""
-    if isinstance(sample, dict) and "input_ids" in sample:
-        return len(sample["input_ids"])
-    try:
-        return len(sample)
-    except TypeError:
-        raise TypeError(
-            f"The default metadata_fn cannot measure a sample of type {type(sample).__name__}; "
-            "pass metadata_fn=lambda sample: SampleMetadata(tokens=...)."
-        ) from None
-
-
-class _KeepSource:
-    """The algorithm used with ``balance=False``: always keep the source layout."""
-
-    name = "source"
-    algorithm_id = "source-v1"
-
-    def assign(self, problem: Any) -> None:
-        return None
-
-
-class BalancedLoader:
+class BalancedLoader(LoaderFacade):
     """Balanced, packed, device-ready training steps from a rank-local source.
 
     ``source`` yields one *local step* per iteration: ``bins_per_rank`` non-empty bins, each a
@@ -87,46 +74,45 @@ class BalancedLoader:
         tracer: Any = None,
         stats_callback: Callable[[StepStats], None] | None = None,
     ) -> None:
-        from evenflow.engine._pipeline.h2d import DeviceStager
-        from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
-        from evenflow.engine._planning.planner import Planner
-        from evenflow.engine._tracing.tracer import StallMeter, resolve_tracer
 
-        if not isinstance(config, LoaderConfig):
-            raise TypeError(f"config must be a LoaderConfig, but got {config!r:.80}.")
+        super().__init__()
+        check_config(config)
         if not (hasattr(source, "__iter__") or hasattr(source, "__aiter__")):
             raise TypeError(
                 f"source must be an iterable or async iterable of steps, but got "
                 f"{type(source).__name__}."
             )
-        for name, fn in (
-            ("metadata_fn", metadata_fn),
-            ("pack_fn", pack_fn),
-            ("collate_fn", collate_fn),
-            ("move_fn", move_fn),
-            ("stats_callback", stats_callback),
-        ):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{name} must be callable, but got {fn!r:.80}.")
-        self._source = source
-        self._config = config
-        self._metadata_fn = metadata_fn or default_metadata_fn
-        self._pack_fn = pack_fn or default_pack_fn
-        self._collate_fn = collate_fn or default_collate_fn
-        self._transport, self._owns_transport = _resolve_transport(transport, config)
-        self._planner = Planner(
-            num_ranks=self._transport.num_ranks,
-            bins_per_rank=config.bins_per_rank,
-            seq_len=config.seq_len,
-            cost_model=cost_model,
-            algorithm=algorithm if config.balance else _KeepSource(),
-            objective=config.objective,
-            min_balance_gain=config.min_balance_gain,
-            oversized_policy=config.oversized_policy,
-            packing_budgets=dict(config.packing_budgets or {}) or None,
+        # Cheap checks before a transport may be created from a name.
+        check_callables(
+            metadata_fn=metadata_fn,
+            pack_fn=pack_fn,
+            collate_fn=collate_fn,
+            move_fn=move_fn,
+            stats_callback=stats_callback,
         )
-        self._stager = DeviceStager(device, move_fn=move_fn, cpu_fields=tuple(cpu_fields))
-        self._tracer = resolve_tracer(tracer)
+        self._source = guard_one_shot(source)
+        self._config = config
+        self._transport, self._owns_transport = _resolve_transport(transport, config)
+        parts = loader_parts(
+            config,
+            num_ranks=self._transport.num_ranks,
+            metadata_fn=metadata_fn,
+            pack_fn=pack_fn,
+            collate_fn=collate_fn,
+            cost_model=cost_model,
+            algorithm=algorithm,
+            device=device,
+            move_fn=move_fn,
+            cpu_fields=cpu_fields,
+            tracer=tracer,
+            stats_callback=stats_callback,
+        )
+        self._metadata_fn = parts.metadata_fn
+        self._pack_fn = parts.pack_fn
+        self._collate_fn = parts.collate_fn
+        self._planner = parts.planner
+        self._stager = parts.stager
+        self._tracer = parts.tracer
         self._tracer.bind(self._transport.global_ranks[self._transport.rank])
         self._meter = StallMeter()
         self._stats_callback = stats_callback
@@ -138,11 +124,8 @@ class BalancedLoader:
         self._source_executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="evenflow-source"
         )
-        self._mode: str | None = None  # "async" | "sync"
-        self._closed = False
         self._pipeline: Pipeline | None = None
         self._pass_finished = False
-        self._loop_thread: _LoopThread | None = None
         self._epoch = 0
         self._first_step = 0
         self._delivered = 0  # steps delivered in this pass, counting restored ones
@@ -187,8 +170,8 @@ class BalancedLoader:
     def __len__(self) -> int:
         limit = self._config.max_steps
         try:
-            size: int | None = len(self._source)  # type: ignore[arg-type]
-        except TypeError:  # no __len__ (mypy cannot know whether the source is Sized)
+            size: int | None = len(self._source)
+        except TypeError:  # the source has no __len__
             size = None
         if limit is None and size is None:
             raise TypeError(
@@ -205,9 +188,7 @@ class BalancedLoader:
 
     def fingerprint(self, *, for_resume: bool = False) -> str:
         """Digest of :meth:`identity` (24 hex characters)."""
-        identity = self.identity(for_resume=for_resume)
-        text = json.dumps(identity, sort_keys=True, default=str)
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
+        return fingerprint_of(self.identity(for_resume=for_resume))
 
     def identity(self, *, for_resume: bool = False) -> dict[str, Any]:
         """Plain data every rank of a group must agree on: configuration, planner identity
@@ -216,206 +197,73 @@ class BalancedLoader:
         ``for_resume=True`` leaves out the settings that may change across a restart without
         changing what is delivered (prefetch depth, timeout, logging).
         """
-        config = self._config.to_dict()
-        if for_resume:
-            for name in _RUNTIME_ONLY:
-                config.pop(name, None)
-        return {
-            "config": config,
-            "planner": self._planner.identity(),
-            "group": list(self._transport.global_ranks),
-            "transport": self._transport.name,
-            "version": LIBRARY_VERSION,
-        }
+        transport = self._transport
+        return loader_identity(
+            self._config,
+            self._planner,
+            transport.global_ranks,
+            transport.name,
+            for_resume=for_resume,
+        )
 
-    # -- async iteration ---------------------------------------------------------------------
+    # -- the entry points' bodies (LoaderFacade writes the sync and async forms) ---------------
 
-    def __aiter__(self) -> BalancedLoader:
-        self._enter("async")
-        return self
-
-    async def __anext__(self) -> Any:
-        self._enter("async")
+    async def _produce(self, run: Runner) -> Any:
         started = self._begin_wait()
         try:
             if self._pipeline is None:
                 if self._pass_finished:
-                    raise StopAsyncIteration
-                await self._start_pass()
+                    return END
+                await run.loop(self._start_pass())
             pipeline = self._pipeline
             assert pipeline is not None
-            goal = self._next_state(pipeline)
-            state = await (self._launcher.pump(goal) if self._launcher else goal)
+            state = await run.loop(self._next_state(pipeline), pump=True)
             if state is None:
-                await self._finish_pass()
-                raise StopAsyncIteration
+                await run.loop(self._finish_pass())
+                return END
             return self._deliver(state)
         finally:
             self._end_wait(started)
 
-    async def aprefetch_plan(self) -> None:
-        """Async form of :meth:`prefetch_plan`."""
-        self._enter("async")
-        if self._launcher is not None and self._pipeline is not None:
-            pipeline, target = self._pipeline, self._next_step()
-            await self._launcher.pump(pipeline.wait_until(lambda: pipeline.gathered_step >= target))
-
-    async def aprefetch(self) -> None:
-        """Async form of :meth:`prefetch`."""
-        self._enter("async")
-        if self._launcher is not None and self._pipeline is not None:
-            pipeline, target = self._pipeline, self._next_step()
-            await self._launcher.pump(
-                pipeline.wait_until(
-                    lambda: max(pipeline.exchanged_step, pipeline.exchange_launched_step) >= target
-                )
-            )
-
-    async def __aenter__(self) -> BalancedLoader:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Cancel in-flight work and release every resource. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        await self._close_pass()
-        await self._release()
-
-    # -- sync iteration ----------------------------------------------------------------------
-
-    def __iter__(self) -> BalancedLoader:
-        self._enter("sync")
-        return self
-
-    def __next__(self) -> Any:
-        self._enter("sync")
-        started = self._begin_wait()
-        try:
-            thread = self._ensure_thread()
-            if self._pipeline is None:
-                if self._pass_finished:
-                    raise StopIteration
-                thread.call(self._start_pass())
-            pipeline = self._pipeline
-            assert pipeline is not None
-            future = thread.submit(self._next_state(pipeline))
-            state = (
-                self._launcher.pump_blocking(future, self._config.timeout)
-                if self._launcher
-                else future.result()
-            )
-            if state is None:
-                thread.call(self._finish_pass())
-                raise StopIteration
-            return self._deliver(state)
-        finally:
-            self._end_wait(started)
-
-    def prefetch_plan(self) -> None:
-        """Launch point: make sure the next step's metadata gather has been launched.
-
-        Needed only for transports that launch on the caller's thread (NCCL/HCCL); a no-op
-        otherwise. Call it on every rank at the same point of the training step, while device
-        compute is pending. Repeated calls are harmless; it never advances the source.
-        """
-        self._hook(lambda p, t: p.gathered_step >= t)
-
-    def prefetch(self) -> None:
-        """Launch point: finish planning and launch the next step's payload exchange.
-
-        Same rules as :meth:`prefetch_plan` (which it includes).
-        """
-        self._hook(lambda p, t: max(p.exchanged_step, p.exchange_launched_step) >= t)
-
-    def _hook(self, done: Callable[[Pipeline, int], bool]) -> None:
-        if self._mode == "async":
-            raise LoaderStateError(
-                "This loader is iterated asynchronously; await loader.aprefetch() / "
-                "loader.aprefetch_plan() instead of the sync hooks."
-            )
+    async def _prefetch_until(self, goal: str, run: Runner) -> None:
         if self._launcher is None or self._pipeline is None or self._closed:
             return
         pipeline, target = self._pipeline, self._next_step()
-        thread = self._ensure_thread()
-        future = thread.submit(pipeline.wait_until(lambda: done(pipeline, target)))
-        self._launcher.pump_blocking(future, self._config.timeout)
 
-    def __enter__(self) -> BalancedLoader:
-        return self
+        def done() -> bool:
+            if goal == "plan":
+                return pipeline.gathered_step >= target
+            return max(pipeline.exchanged_step, pipeline.exchange_launched_step) >= target
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        await run.loop(pipeline.wait_until(done), pump=True)
 
-    def close(self) -> None:
-        """Cancel in-flight work, release buffers, join every thread. Idempotent."""
-        if self._closed:
-            return
-        if self._mode == "async":
-            raise LoaderStateError(
-                "This loader is iterated asynchronously; use 'await loader.aclose()' or "
-                "'async with loader:'."
-            )
-        self._closed = True
-        thread = self._loop_thread
-        if thread is None:
-            thread = self._ensure_thread(allow_closed=True)
-        try:
-            thread.call(self._close_pass())
-            thread.call(self._release())
-        finally:
-            thread.stop()
-            self._loop_thread = None
+    async def _restart(self, epoch: int, run: Runner) -> None:
+        if isinstance(self._source, OneShotSource):
+            self._source.check_reusable(f"set_epoch({epoch})")
+        # Draining finishes the in-flight steps' collectives, which may need caller launches.
+        if self._pipeline is not None:
+            await run.loop(self._restart_pass(), pump=True)
+        self._reset_pass(epoch)
+
+    async def _release(self, run: Runner) -> None:
+        await run.loop(self._close_pass())
+        await run.loop(self._release_resources())
+
+    @property
+    def _pass_running(self) -> bool:
+        return self._pipeline is not None
+
+    def _pump(self, coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
+        # Async mode: the caller's thread runs the loop, so launches run inline between awaits.
+        return self._launcher.pump(coro) if self._launcher is not None else coro
+
+    def _pump_blocking(self, future: concurrent.futures.Future[T]) -> T:
+        # Sync mode: the caller's thread runs queued launches while it waits for ``future``.
+        if self._launcher is None:
+            return future.result()
+        return self._launcher.pump_blocking(future, self._config.timeout)
 
     # -- epochs and resume -------------------------------------------------------------------
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start a new pass at ``epoch``: forwards the epoch to the source's ``set_epoch`` if
-        it has one and restarts the step count at 0.
-
-        Called mid-pass, it ends the current pass on every rank of the group at the next
-        metadata round (peers see the end of their pass there) and discards the steps in
-        flight, finishing their collectives first so the group stays in step. Every rank must
-        then either call ``set_epoch`` too or keep iterating to the end of its pass.
-        """
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"epoch must be a non-negative integer, but got {epoch!r}.")
-        self._check_open()
-        if self._pipeline is not None:
-            if self._mode == "async":
-                raise LoaderStateError(
-                    "set_epoch() was called while an async pass is running; await "
-                    "loader.aset_epoch(epoch) instead."
-                )
-            thread = self._ensure_thread()
-            future = thread.submit(self._restart_pass())
-            if self._launcher is not None:
-                self._launcher.pump_blocking(future, self._config.timeout)
-            else:
-                future.result()
-        self._reset_pass(epoch)
-
-    async def aset_epoch(self, epoch: int) -> None:
-        """Async form of :meth:`set_epoch`."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ConfigError(f"epoch must be a non-negative integer, but got {epoch!r}.")
-        self._check_open()
-        goal = self._restart_pass()
-        await (self._launcher.pump(goal) if self._launcher is not None else goal)
-        self._reset_pass(epoch)
 
     async def _restart_pass(self) -> None:
         pipeline = self._pipeline
@@ -458,8 +306,6 @@ class BalancedLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by :meth:`state_dict`; only before iteration starts."""
-        from evenflow.engine._pipeline.resume import validate_state
-
         self._check_open()
         if self._pipeline is not None or self._delivered or self._pass_finished:
             raise LoaderStateError(
@@ -477,20 +323,6 @@ class BalancedLoader:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _enter(self, mode: str) -> None:
-        self._check_open()
-        if self._mode is None:
-            self._mode = mode
-        elif self._mode != mode:
-            raise LoaderStateError(
-                f"This loader is iterated in {self._mode} mode; it cannot also be iterated in "
-                f"{mode} mode. Use one loader per iteration style."
-            )
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise LoaderStateError("This BalancedLoader is closed; create a new one.")
-
     def _next_step(self) -> int:
         return self._delivered
 
@@ -502,8 +334,6 @@ class BalancedLoader:
         if self._launcher is not None:
             self._launcher.bind(loop)
         if self._restored is not None:
-            from evenflow.engine._pipeline.resume import restore_source
-
             restored, self._restored = self._restored, None
             initial_iter = await loop.run_in_executor(
                 self._source_executor, restore_source, self._source, restored
@@ -558,7 +388,7 @@ class BalancedLoader:
         if self._launcher is not None:
             self._launcher.clear()
 
-    async def _release(self) -> None:
+    async def _release_resources(self) -> None:
         self._stager.close()
         self._tracer.close()
         if self._owns_transport:
@@ -605,13 +435,6 @@ class BalancedLoader:
         ended = self._meter.end_wait()
         self._tracer.add("wait", self._delivered - 1, started, ended)
 
-    def _ensure_thread(self, *, allow_closed: bool = False) -> _LoopThread:
-        if not allow_closed:
-            self._check_open()
-        if self._loop_thread is None:
-            self._loop_thread = _LoopThread()
-        return self._loop_thread
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else (self._mode or "new")
         return (
@@ -628,45 +451,7 @@ def _resolve_transport(
     if transport is None:
         transport = "local"
     if isinstance(transport, str):
-        from evenflow.transports._registry import create_transport
-
         return create_transport(transport, timeout=config.timeout), True
     raise TypeError(
         f"transport must be a Transport, a transport name or None, but got {transport!r:.80}."
     )
-
-
-class _LoopThread:
-    """An event loop in a background thread, for sync iteration."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._main, name="evenflow-loop", daemon=True)
-        self._thread.start()
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def submit(self, coro: Any) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, coro: Any) -> Any:
-        return self.submit(coro).result()
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-
-        async def _drain() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await self.loop.shutdown_asyncgens()
-            await self.loop.shutdown_default_executor()
-
-        self.call(_drain())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()

@@ -1,14 +1,20 @@
 """The default pack and collate functions: one bin of token samples → one packed sequence.
 
-Packing concatenates the bin's samples without padding and describes the boundaries the way
-variable-length attention kernels expect them: ``cu_seqlens`` (cumulative lengths starting at
-0, int32) with ``max_seqlen`` is the layout of flash-attention's ``*_varlen_*`` functions and of
-Hugging Face's flattening collator, and ``position_ids`` restarting at 0 per sample lets models
-that infer boundaries from positions keep samples apart.
+Packing concatenates the bin's samples without padding into one row, laid out the way Hugging
+Face causal language models take packed input (the layout of ``DataCollatorWithFlattening``),
+so that ``model(**packed, use_cache=False)`` trains on the bin as if each sample ran alone:
+
+* ``position_ids`` restart at 0 for every sample; with no ``attention_mask`` and no cache the
+  model derives one causal mask per sample from them (sdpa, eager), and flash attention reads
+  the boundaries from ``cu_seq_lens_q``/``cu_seq_lens_k`` and ``max_length_q``/``max_length_k``;
+* ``labels`` hold -100 (the ignore index of the loss) at each sample's first position: the
+  model shifts labels by one inside its loss, so without it the last token of a sample would
+  be trained to predict the first token of the next one.
 
 A sample is a 1-D integer sequence (list, tuple, numpy array, torch tensor) of token ids, or a
-mapping with ``"input_ids"`` and optionally ``"labels"`` of the same length. Other keys of a
-mapping (attention masks, metadata) are ignored: a packed sequence needs only the boundaries,
+mapping with ``"input_ids"`` and optionally ``"labels"`` of the same length (-100 where the
+sample is not trained on, e.g. its prompt). Other keys of a mapping (attention masks, metadata)
+are ignored: an ``attention_mask`` in the packed batch would switch off the per-sample masks,
 and a custom ``pack_fn`` can carry more. All conversion goes through numpy so read-only inputs
 (zero-copy views of received buffers) work without copies or warnings until the one
 concatenation.
@@ -26,14 +32,22 @@ import torch
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import ConfigError
 
-__all__ = ["default_collate_fn", "default_pack_fn"]
+__all__ = ["IGNORE_INDEX", "count_loss_tokens", "default_collate_fn", "default_pack_fn"]
+
+IGNORE_INDEX = -100
+"""The label that takes no part in the loss (Hugging Face's and ``cross_entropy``'s default)."""
 
 _IntArray = npt.NDArray[np.int64]
 
 
-def _as_tokens(value: object, what: str) -> _IntArray:
-    """``value`` as a 1-D int64 array, or a ConfigError/TypeError naming ``what``."""
+def _as_tokens(value: object, what: str, *, row_ok: bool = False) -> _IntArray:
+    """``value`` as a 1-D int64 array, or a ConfigError/TypeError naming ``what``.
+
+    ``row_ok`` also accepts one row ``[1, T]`` (a packed bin's layout), flattened.
+    """
     if isinstance(value, torch.Tensor):
+        if row_ok and value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
         if value.dim() != 1 or value.is_floating_point() or value.is_complex():
             raise ConfigError(
                 f"{what} must be a 1-D integer tensor, but got a tensor of shape "
@@ -53,6 +67,8 @@ def _as_tokens(value: object, what: str) -> _IntArray:
         array = np.asarray(value)
         if array.size == 0:
             array = array.astype(np.int64)
+    if row_ok and array.ndim == 2 and array.shape[0] == 1:
+        array = array[0]
     if array.ndim != 1:
         raise ConfigError(
             f"{what} must be 1-D, but got an array of shape {array.shape!r}; pass one "
@@ -66,41 +82,62 @@ def _as_tokens(value: object, what: str) -> _IntArray:
     return array.astype(np.int64, copy=False)
 
 
-def _split_sample(sample: object, index: int) -> tuple[_IntArray, _IntArray | None]:
+def _split_sample(
+    sample: object, what: str, *, row_ok: bool = False
+) -> tuple[_IntArray, _IntArray | None]:
     if isinstance(sample, Mapping):
         if "input_ids" not in sample:
             raise ConfigError(
-                f"samples[{index}] is a mapping without 'input_ids' (keys: "
+                f"{what} is a mapping without 'input_ids' (keys: "
                 f"{sorted(map(str, sample))!r}); add the token ids under 'input_ids'."
             )
-        tokens = _as_tokens(sample["input_ids"], f"samples[{index}]['input_ids']")
+        tokens = _as_tokens(sample["input_ids"], f"{what}['input_ids']", row_ok=row_ok)
         raw_labels = sample.get("labels")
         if raw_labels is None:
             return tokens, None
-        labels = _as_tokens(raw_labels, f"samples[{index}]['labels']")
+        labels = _as_tokens(raw_labels, f"{what}['labels']", row_ok=row_ok)
         if len(labels) != len(tokens):
             raise ConfigError(
-                f"samples[{index}] has {len(tokens)} input_ids but {len(labels)} labels; "
+                f"{what} has {len(tokens)} input_ids but {len(labels)} labels; "
                 "labels must align one-to-one with input_ids."
             )
         return tokens, labels
-    return _as_tokens(sample, f"samples[{index}]"), None
+    return _as_tokens(sample, what, row_ok=row_ok), None
+
+
+def count_loss_tokens(sample: object) -> int:
+    """How many tokens ``sample`` contributes to a causal-LM loss once packed.
+
+    The first token of a sample is never a target (nothing in the sample precedes it), so a
+    sample without labels counts ``len(input_ids) - 1``, and one with labels counts its
+    labels after the first that are not ``-100``. This is the number of -100-free labels
+    :func:`default_pack_fn` emits for the sample, and a packed bin from it (a mapping whose
+    ``labels`` are ``[1, T]``) is accepted too: its count is the sum over its samples. Use it
+    in a ``metadata_fn`` to carry per-sample loss tokens, or to normalise a summed loss.
+    """
+    tokens, labels = _split_sample(sample, "sample", row_ok=True)
+    if labels is None:
+        return max(len(tokens) - 1, 0)
+    return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
 
 
 def default_pack_fn(samples: Sequence[Any], seq_len: int) -> dict[str, Any]:
-    """Concatenate one bin of samples into one packed sequence of ``T`` tokens (no padding).
+    """Concatenate one bin of ``k`` samples into one packed row of ``T`` tokens (no padding).
 
-    Returns a dict with:
+    Returns a dict that a Hugging Face causal LM takes as keyword arguments
+    (``model(**packed, use_cache=False)``):
 
-    * ``input_ids``: int64 tensor ``[T]``;
-    * ``labels``: int64 tensor ``[T]``, only if every sample is a mapping with labels;
-    * ``position_ids``: int64 tensor ``[T]``, restarting at 0 for each sample;
-    * ``cu_seqlens``: int32 tensor ``[k + 1]``: ``[0, l1, l1 + l2, ..., T]``;
-    * ``seq_lens``: int32 tensor ``[k]`` of the sample lengths;
-    * ``max_seqlen``: python ``int``, the longest sample.
+    * ``input_ids``: int64 tensor ``[1, T]``;
+    * ``labels``: int64 tensor ``[1, T]``: each sample's ``labels`` (its ``input_ids`` when it
+      has none), with ``-100`` at each sample's first position;
+    * ``position_ids``: int64 tensor ``[1, T]``, restarting at 0 for each sample;
+    * ``cu_seq_lens_q``, ``cu_seq_lens_k``: the same int32 tensor ``[k + 1]``,
+      ``[0, l1, l1 + l2, ..., T]``;
+    * ``max_length_q``, ``max_length_k``: python ``int``, the longest sample.
 
-    ``T`` must not exceed ``seq_len`` unless the bin holds a single (oversized) sample. Empty
-    bins, empty samples and non-integer tokens raise ``ConfigError`` (a ``ValueError``).
+    ``count_loss_tokens(packed)`` is the number of tokens the bin trains on. ``T`` must not
+    exceed ``seq_len`` unless the bin holds a single (oversized) sample. Empty bins, empty
+    samples and non-integer tokens raise ``ConfigError`` (a ``ValueError``).
     """
     check_int("seq_len", seq_len, minimum=1)
     if isinstance(samples, (str, bytes, Mapping)) or not isinstance(samples, Sequence):
@@ -113,7 +150,7 @@ def default_pack_fn(samples: Sequence[Any], seq_len: int) -> dict[str, Any]:
             "samples is empty, but a bin must hold at least one sample; the planner never "
             "produces empty bins, so check the pack input."
         )
-    parts = [_split_sample(sample, i) for i, sample in enumerate(samples)]
+    parts = [_split_sample(sample, f"samples[{i}]") for i, sample in enumerate(samples)]
     lengths = np.fromiter((len(tokens) for tokens, _ in parts), dtype=np.int64, count=len(parts))
     empty = np.flatnonzero(lengths == 0)
     if empty.size:
@@ -130,21 +167,22 @@ def default_pack_fn(samples: Sequence[Any], seq_len: int) -> dict[str, Any]:
     ends = np.cumsum(lengths)
     starts = ends - lengths
     position_ids = np.arange(total, dtype=np.int64) - np.repeat(starts, lengths)
-    cu_seqlens = np.zeros(len(parts) + 1, dtype=np.int32)
-    cu_seqlens[1:] = ends
-    packed: dict[str, Any] = {
-        "input_ids": torch.from_numpy(input_ids),
-        "position_ids": torch.from_numpy(position_ids),
-        "cu_seqlens": torch.from_numpy(cu_seqlens),
-        "seq_lens": torch.from_numpy(lengths.astype(np.int32)),
-        "max_seqlen": int(lengths.max()),
+    # concatenate copies, so writing the boundaries never touches a sample's own labels.
+    labels = np.concatenate([tokens if own is None else own for tokens, own in parts])
+    labels[starts] = IGNORE_INDEX
+    cu_seq_lens = np.zeros(len(parts) + 1, dtype=np.int32)
+    cu_seq_lens[1:] = ends
+    boundaries = torch.from_numpy(cu_seq_lens)
+    longest = int(lengths.max())
+    return {
+        "input_ids": torch.from_numpy(input_ids).view(1, total),
+        "labels": torch.from_numpy(labels).view(1, total),
+        "position_ids": torch.from_numpy(position_ids).view(1, total),
+        "cu_seq_lens_q": boundaries,
+        "cu_seq_lens_k": boundaries,
+        "max_length_q": longest,
+        "max_length_k": longest,
     }
-    label_parts = [labels for _, labels in parts]
-    if all(labels is not None for labels in label_parts):
-        packed["labels"] = torch.from_numpy(
-            np.concatenate([labels for labels in label_parts if labels is not None])
-        )
-    return packed
 
 
 def default_collate_fn(packed_bins: Sequence[Any]) -> list[Any]:

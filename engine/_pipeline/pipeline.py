@@ -25,28 +25,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import anyio
-import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evenflow.engine._config import LoaderConfig
-from evenflow.engine._model import SampleKey, SampleMetadata, _mint_key
+from evenflow.engine._model import SampleKey
+from evenflow.engine._pipeline.routes import RankRoutes
 from evenflow.engine._pipeline.sequencer import Sequencer
-from evenflow.engine._pipeline.stats import step_stats
+from evenflow.engine._pipeline.source import SourceReader
+from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import (
     StepState,
     build_message,
     check_digests,
     error_info,
-    peer_samples,
+    plan_step,
     remote_error,
+    with_routes,
 )
-from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, plan_digest
+from evenflow.engine._plan import Plan, plan_from_wire, plan_to_wire
 from evenflow.engine.errors import (
-    ConfigError,
     GroupMismatchError,
     LoaderStateError,
     PlanningError,
@@ -86,18 +87,23 @@ class Pipeline:
         source_executor: concurrent.futures.Executor,
         initial_iter: Iterator[Any] | None = None,
     ) -> None:
-        self._source = source
+        self._reader = SourceReader(
+            source=source,
+            metadata_fn=metadata_fn,
+            bins_per_rank=config.bins_per_rank,
+            cpu_executor=cpu_executor,
+            source_executor=source_executor,
+            initial_iter=initial_iter,
+        )
         self._config = config
         self._transport = transport
         self._planner = planner
-        self._metadata_fn = metadata_fn
         self._pack_fn = pack_fn
         self._collate_fn = collate_fn
         self._stager = stager
         self._tracer = tracer
         self.first_step = first_step
         self._cpu = cpu_executor
-        self._source_executor = source_executor
         self._rank = transport.rank
         self._global_ranks = transport.global_ranks
         self._budget_names = tuple(sorted(config.constraints.budgets))
@@ -105,7 +111,6 @@ class Pipeline:
         depth = config.prefetch_depth + 1
         self._slots = asyncio.Semaphore(depth)
         self._out_send, self._out_recv = anyio.create_memory_object_stream[StepState](depth)
-        self._iter: Iterator[Any] | AsyncIterator[Any] | None = initial_iter
         self._prev: StepState | None = None
         self._fatal: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
@@ -134,12 +139,12 @@ class Pipeline:
         plan_s, plan_r = anyio.create_memory_object_stream[StepState](1)
         exch_s, exch_r = anyio.create_memory_object_stream[StepState](1)
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._read_stage, read_s)
-                tg.start_soon(self._stage, "gather", read_r, gath_s, self._gather)
-                tg.start_soon(self._stage, "plan", gath_r, plan_s, self._plan)
-                tg.start_soon(self._stage, "exchange", plan_r, exch_s, self._exchange)
-                tg.start_soon(self._stage, "pack", exch_r, self._out_send, self._pack)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._read_stage(read_s))
+                tg.create_task(self._stage("gather", read_r, gath_s, self._gather))
+                tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
+                tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                tg.create_task(self._stage("pack", exch_r, self._out_send, self._pack))
         except BaseException as exc:  # a stage crashed, the group failed, or close() cancelled
             self._gather_done = True
             self.notify()
@@ -306,7 +311,7 @@ class Pipeline:
                 state: StepState | None = None
                 if acquired is not None:
                     with self._tracer.span("read", step):
-                        state = await self._unless_stopped(self._read(step))
+                        state = await self._unless_stopped(self._reader.read(step))
                 if state is None:
                     # drain(): announce the end of the pass; a read still blocked in the
                     # source is abandoned (its result is discarded when it returns).
@@ -334,95 +339,6 @@ class Pipeline:
             result = task.result()
             return True if result is None or result is True else result
         return None
-
-    async def _read(self, step: int) -> StepState:
-        state = StepState(step)
-        try:
-            if self._iter is None:
-                self._iter = await self._open_source()
-            if isinstance(self._iter, AsyncIterator):
-                try:
-                    raw = await self._iter.__anext__()
-                except StopAsyncIteration:
-                    state.status, state.end_reason = "end", "exhausted"
-                    return state
-                loop = asyncio.get_running_loop()
-                bins, metas = await loop.run_in_executor(self._cpu, self._describe, raw)
-                state.source_state = self._source_state()
-            else:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self._source_executor, self._read_sync)
-                if result is None:
-                    state.status, state.end_reason = "end", "exhausted"
-                    return state
-                bins, metas, state.source_state = result
-            state.bins, state.metas = bins, metas
-        except Exception as exc:
-            state.status = "error"
-            state.fail(getattr(exc, "_evenflow_stage", "source"), exc)
-        return state
-
-    async def _open_source(self) -> Iterator[Any] | AsyncIterator[Any]:
-        if hasattr(self._source, "__aiter__"):
-            return self._source.__aiter__()  # type: ignore[no-any-return]
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._source_executor, iter, self._source)
-
-    def _source_state(self) -> Any:
-        state_dict = getattr(self._source, "state_dict", None)
-        return state_dict() if callable(state_dict) else None
-
-    def _read_sync(self) -> tuple[list[list[Any]], list[SampleMetadata], Any] | None:
-        assert isinstance(self._iter, Iterator)
-        try:
-            raw = next(self._iter)
-        except StopIteration:
-            return None
-        bins, metas = self._describe(raw)
-        return bins, metas, self._source_state()
-
-    def _describe(self, raw: Any) -> tuple[list[list[Any]], list[SampleMetadata]]:
-        n = self._config.bins_per_rank
-        if isinstance(raw, (str, bytes)) or not hasattr(raw, "__len__") or len(raw) != n:
-            got = len(raw) if hasattr(raw, "__len__") else type(raw).__name__
-            raise ConfigError(
-                f"Each source step must be a sequence of bins_per_rank={n} bins, but got {got}. "
-                "Make the source yield one list of bins (each a list of samples) per step."
-            )
-        for i, b in enumerate(raw):
-            if isinstance(b, (str, bytes, bytearray, Mapping)) or not hasattr(b, "__len__"):
-                raise ConfigError(
-                    f"Source step bin {i} must be a sequence of samples, but got "
-                    f"{type(b).__name__}. A step is a list of bins_per_rank bins, each a list "
-                    "of samples; did the source skip the bin level?"
-                )
-        bins = [list(b) for b in raw]
-        for i, b in enumerate(bins):
-            if not b:
-                raise ConfigError(
-                    f"Source step bin {i} is empty; every bin must hold at least one sample "
-                    "(the plan keeps bins_per_rank non-empty bins per rank)."
-                )
-        metas: list[SampleMetadata] = []
-        try:
-            for b in bins:
-                for sample in b:
-                    metas.append(self._describe_sample(sample))
-        except Exception as exc:
-            exc._evenflow_stage = "metadata"  # type: ignore[attr-defined]
-            raise
-        return bins, metas
-
-    def _describe_sample(self, sample: Any) -> SampleMetadata:
-        meta = self._metadata_fn(sample)
-        if isinstance(meta, SampleMetadata):
-            return meta
-        if isinstance(meta, int) and not isinstance(meta, bool):
-            return SampleMetadata(tokens=meta)
-        raise TypeError(
-            f"metadata_fn must return a SampleMetadata or an int token count, but returned "
-            f"{meta!r:.80} ({type(meta).__name__})."
-        )
 
     # -- gather -------------------------------------------------------------------------------
 
@@ -463,10 +379,12 @@ class Pipeline:
         prev, self._prev = self._prev, None
         if prev is None or prev.confirmed is None:
             return
-        for info in (p.get("error") if p else None for p in prevs):
-            if info is not None and int(info["rank"]) != self._rank and prev.error is None:
-                prev.remote = remote_error(info, self._global_ranks)
-                break
+        if prev.error is None:
+            for sender, p in enumerate(prevs):
+                info = p.get("error") if isinstance(p, dict) else None
+                if info is not None and sender != self._rank:
+                    prev.remote = remote_error(info, self._global_ranks, sender=sender)
+                    break
         if prev.error is None and prev.remote is None:
             try:
                 check_digests(prevs, prev.step, self._global_ranks)
@@ -491,8 +409,10 @@ class Pipeline:
         if "error" in statuses:
             state.terminal = True
             if state.error is None:
-                info = next(m["error"] for m in messages if m["status"] == "error")
-                state.remote = remote_error(info, self._global_ranks)
+                sender = statuses.index("error")
+                state.remote = remote_error(
+                    messages[sender].get("error"), self._global_ranks, sender=sender
+                )
             return
         if "end" in statuses:
             state.terminal = True
@@ -533,7 +453,7 @@ class Pipeline:
         if messages is not None and (not leader or self._rank == 0):
             loop = asyncio.get_running_loop()
             try:
-                state.plan, state.stats = await loop.run_in_executor(
+                state.plan, state.stats, state.routes = await loop.run_in_executor(
                     self._cpu, self._plan_sync, state.step, messages
                 )
             except Exception as exc:
@@ -563,11 +483,17 @@ class Pipeline:
             await self._transport.aclose()
         await self._sequencer.fail(_Aborted("planning failed on this rank"))
 
-    def _plan_sync(self, step: int, messages: list[dict[str, Any]]) -> tuple[Plan, Any]:
-        samples, bins, _ = peer_samples(messages, step, self._budget_names)
-        plan = self._planner.plan(samples, bins, step)
-        # Keys minted from the messages carry the group rank that read them.
-        return plan, step_stats(plan, None, self._global_ranks)
+    def _plan_sync(
+        self, step: int, messages: list[dict[str, Any]]
+    ) -> tuple[Plan, StepStats, RankRoutes]:
+        return plan_step(
+            self._planner,
+            messages,
+            step,
+            budget_names=self._budget_names,
+            rank=self._rank,
+            group_ranks=self._global_ranks,
+        )
 
     async def _broadcast_plan(self, state: StepState) -> None:
         payload: dict[str, Any] | None = None
@@ -576,7 +502,7 @@ class Pipeline:
                 payload = {"error": error_info(0, state.error_stage, state.step, state.error)}
             else:
                 assert state.plan is not None
-                payload = {"plan": _plan_to_wire(state.plan)}
+                payload = {"plan": plan_to_wire(state.plan)}
         try:
             received = await self._transport.broadcast(payload, src=0)
         except BaseException as exc:
@@ -585,18 +511,17 @@ class Pipeline:
         if self._rank == 0:
             return
         if received.get("error") is not None:
-            state.remote = remote_error(received["error"], self._global_ranks)
+            state.remote = remote_error(received["error"], self._global_ranks, sender=0)
             state.error = state.remote
             state.error_stage = "plan"
             return
         loop = asyncio.get_running_loop()
-        state.plan, state.stats = await loop.run_in_executor(
-            self._cpu,
-            _plan_from_wire,
-            received["plan"],
-            state.step,
-            self._global_ranks,
+        state.plan, state.stats, state.routes = await loop.run_in_executor(
+            self._cpu, self._received_plan, received["plan"], state.step
         )
+
+    def _received_plan(self, data: dict[str, Any], step: int) -> tuple[Plan, StepStats, RankRoutes]:
+        return with_routes(plan_from_wire(data, step), self._rank, self._global_ranks)
 
     # -- exchange -----------------------------------------------------------------------------
 
@@ -607,8 +532,7 @@ class Pipeline:
         moves = plan is not None and plan.num_moved > 0
         await self._sequencer.turn(state.step, "exchange")
         if moves:
-            assert plan is not None
-            outgoing = self._outgoing(state, plan) if state.error is None else {}
+            outgoing = self._outgoing(state) if state.error is None else {}
             self._exchanging = state.step
             try:
                 state.received = await self._transport.exchange(outgoing)
@@ -634,25 +558,19 @@ class Pipeline:
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
 
-    def _outgoing(self, state: StepState, plan: Plan) -> dict[int, list[tuple[Any, Any]]]:
-        assert state.bins is not None
-        local = [s for b in state.bins for s in b]
-        outgoing: dict[int, list[tuple[Any, Any]]] = {}
-        for dest, bins in enumerate(plan.local_batches):
-            if dest == self._rank:
-                continue
-            for b in bins:
-                for key in b.sample_keys:
-                    if key.source_rank == self._rank:
-                        outgoing.setdefault(dest, []).append((key.as_tuple(), local[key.index]))
-        return outgoing
+    def _outgoing(self, state: StepState) -> dict[int, list[tuple[Any, Any]]]:
+        assert state.samples is not None and state.routes is not None
+        local = state.samples
+        return {
+            dest: [(key, local[key[2]]) for key in keys] for dest, keys in state.routes.send.items()
+        }
 
     # -- pack ---------------------------------------------------------------------------------
 
     async def _pack(self, state: StepState) -> None:
         if state.terminal:
             return
-        if state.error is None and state.remote is None and state.plan is not None:
+        if state.error is None and state.remote is None and state.routes is not None:
             loop = asyncio.get_running_loop()
             try:
                 state.host_batch, state.staged = await loop.run_in_executor(
@@ -665,22 +583,22 @@ class Pipeline:
         await self._sequencer.advance(state.step, "settle")
 
     def _pack_sync(self, state: StepState) -> tuple[Any, Any]:
-        plan = state.plan
-        assert plan is not None and state.bins is not None
-        local = [s for b in state.bins for s in b]
+        routes = state.routes
+        assert routes is not None and state.samples is not None
+        local, received, rank = state.samples, state.received, self._rank
         packed = []
-        for b in plan.local_batches[self._rank]:
+        for keys in routes.bins:
             samples = []
-            for key in b.sample_keys:
-                if key.source_rank == self._rank:
-                    samples.append(local[key.index])
+            for key in keys:
+                if key[0] == rank:
+                    samples.append(local[key[2]])
                 else:
                     try:
-                        samples.append(state.received[key.as_tuple()])
+                        samples.append(received[key])
                     except KeyError:
                         raise PlanningError(
-                            f"Rank {self._rank} did not receive sample {key} planned for it "
-                            f"at step {state.step}; the exchange lost data."
+                            f"Rank {rank} did not receive sample {SampleKey(*key)} planned for "
+                            f"it at step {state.step}; the exchange lost data."
                         ) from None
             packed.append(self._pack_fn(samples, self._config.seq_len))
         try:
@@ -715,67 +633,3 @@ _GROUP_FAILURES = (
     CollectiveMismatchError,
     TransportClosedError,
 )
-
-
-def _plan_to_wire(plan: Plan) -> dict[str, Any]:
-    d = plan.decision
-    return {
-        "step": plan.step,
-        "seq_len": plan.seq_len,
-        "bins": [
-            [np.array([k.as_tuple() for k in b.sample_keys], dtype=np.int64) for b in bins]
-            for bins in plan.local_batches
-        ],
-        "tokens": [[b.tokens for b in bins] for bins in plan.local_batches],
-        "rank_costs": list(plan.rank_costs),
-        "source_rank_costs": list(plan.source_rank_costs),
-        "decision": [
-            d.objective,
-            d.algorithm,
-            d.original_objective,
-            d.candidate_objective,
-            d.relative_gain,
-            d.min_balance_gain,
-            d.accepted,
-        ],
-        "num_moved": plan.num_moved,
-        "digest": plan.digest,
-    }
-
-
-def _plan_from_wire(data: dict[str, Any], step: int, global_ranks: tuple[int, ...]) -> Any:
-    """Rebuild the leader's plan (checking its digest) and the step statistics."""
-    seq_len = int(data["seq_len"])
-    local_batches = []
-    flat: list[list[SampleKey]] = []
-    for bins, tokens in zip(data["bins"], data["tokens"], strict=True):
-        rank_bins = []
-        for keys, tok in zip(bins, tokens, strict=True):
-            sample_keys = tuple(
-                _mint_key(int(a), int(b), int(c))
-                for a, b, c in np.asarray(keys).reshape(-1, 3).tolist()
-            )
-            flat.append(list(sample_keys))
-            rank_bins.append(BinPlan(sample_keys, int(tok), int(tok) > seq_len))
-        local_batches.append(tuple(rank_bins))
-    bins_per_rank = len(local_batches[0]) if local_batches else 0
-    digest = plan_digest(step, seq_len, flat, bins_per_rank)
-    if digest != data["digest"]:
-        raise GroupMismatchError(
-            f"The broadcast plan of step {step} does not match its digest "
-            f"({digest!r} != {data['digest']!r}); the leader's plan was corrupted in transit."
-        )
-    d = data["decision"]
-    plan = Plan(
-        step=step,
-        seq_len=seq_len,
-        local_batches=tuple(local_batches),
-        rank_costs=tuple(float(c) for c in data["rank_costs"]),
-        source_rank_costs=tuple(float(c) for c in data["source_rank_costs"]),
-        decision=BalanceDecision(
-            str(d[0]), str(d[1]), float(d[2]), float(d[3]), float(d[4]), float(d[5]), bool(d[6])
-        ),
-        num_moved=int(data["num_moved"]),
-        digest=digest,
-    )
-    return plan, step_stats(plan, None, global_ranks)

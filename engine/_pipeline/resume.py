@@ -16,15 +16,17 @@ from typing import Any
 
 from evenflow.engine.errors import ResumeError
 
-__all__ = ["restore_source", "validate_state"]
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "restore_source", "validate_state"]
+
+#: What ``BalancedLoader.state_dict()`` writes, and all that :func:`validate_state` accepts.
+STATE_FORMAT = "evenflow.loader"
+STATE_VERSION = 1
 
 _REQUIRED = ("format", "version", "epoch", "step", "source", "rank", "group", "fingerprint")
 
 
 def validate_state(state: Any, loader: Any) -> None:
     """Raise ``ResumeError`` naming what differs between ``state`` and ``loader``."""
-    from evenflow.engine._pipeline.loader import STATE_FORMAT, STATE_VERSION
-
     if not isinstance(state, dict):
         raise ResumeError(
             f"A loader state must be the dict returned by state_dict(), but got "

@@ -18,7 +18,6 @@ __all__ = ["StepStats", "step_stats"]
 
 logger = logging.getLogger("evenflow")
 
-_SOURCE_RANK = operator.attrgetter("source_rank")
 _SAMPLE_KEYS = operator.attrgetter("sample_keys")
 
 
@@ -116,21 +115,28 @@ def step_stats(
 ) -> StepStats:
     """Statistics of ``plan``; ``source_rank`` maps each key to the group rank that read it.
 
-    ``source_rank=None`` means every key's own ``source_rank`` field is that rank (true of the
-    keys the engine mints for a gathered step); the counts are then computed from the keys'
-    fields in a few C-level passes instead of one dictionary lookup per sample.
+    ``source_rank=None`` means every key's own ``source_rank`` field is that rank (true of a
+    gathered step); the counts then come from the plan's arrays, without a lookup per sample.
     """
     n = plan.num_ranks
-    per_rank = plan.bins_per_rank
-    key_tuples = list(map(_SAMPLE_KEYS, itertools.chain.from_iterable(plan.local_batches)))
-    keys = list(itertools.chain.from_iterable(key_tuples))
-    sizes = np.fromiter(map(len, key_tuples), dtype=np.int64, count=len(key_tuples))
-    per_rank_counts = sizes.reshape(n, per_rank).sum(axis=1) if n else sizes
-    dest = np.repeat(np.arange(n, dtype=np.int64), per_rank_counts)
-    reader = _SOURCE_RANK if source_rank is None else source_rank.__getitem__
-    src = np.fromiter(map(reader, keys), dtype=np.int64, count=len(keys))
+    if source_rank is None:
+        # Keys of a gathered step carry the reading rank: count from the plan's arrays.
+        layout = plan.layout
+        dest = layout.slot_ranks()
+        src = layout.key_fields[:, 0]
+        keys: list[Any] = []
+    else:
+        per_rank = plan.bins_per_rank
+        key_tuples = list(map(_SAMPLE_KEYS, itertools.chain.from_iterable(plan.local_batches)))
+        keys = list(itertools.chain.from_iterable(key_tuples))
+        sizes = np.fromiter(map(len, key_tuples), dtype=np.int64, count=len(key_tuples))
+        per_rank_counts = sizes.reshape(n, per_rank).sum(axis=1) if n else sizes
+        dest = np.repeat(np.arange(n, dtype=np.int64), per_rank_counts)
+        src = np.fromiter(map(source_rank.__getitem__, keys), dtype=np.int64, count=len(keys))
     if src.size and (src.min() < 0 or src.max() >= n):
         bad = int(np.flatnonzero((src < 0) | (src >= n))[0])
+        if not keys:  # the arrays found it; name it as the plan's key object
+            keys = [k for bins in plan.local_batches for b in bins for k in b.sample_keys]
         raise ConfigError(
             f"source_rank maps key {keys[bad]} to rank {int(src[bad])}, outside the group's "
             f"{n} ranks; pass the group rank that read each key."

@@ -10,47 +10,52 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
-import traceback
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from evenflow.engine._model import SampleKey, SampleMetadata, _mint_keys
-from evenflow.engine._pipeline.stats import StepStats
+from evenflow.engine._model import SampleMetadata
+from evenflow.engine._pipeline.routes import RankRoutes, rank_routes
+from evenflow.engine._pipeline.stats import StepStats, step_stats
 from evenflow.engine._plan import Plan
-from evenflow.engine.errors import GroupMismatchError, RemoteStageError
+from evenflow.engine._planning.columns import StepColumns
+from evenflow.engine.errors import EvenflowError, GroupMismatchError, RemoteStageError
+from evenflow.transports._remote import RemoteErrorInfo
+from evenflow.transports.errors import WireFormatError
 
-__all__ = ["ErrorInfo", "StepState", "build_message", "error_info", "peer_samples"]
+__all__ = ["ErrorInfo", "StepState", "build_message", "error_info", "peer_columns", "plan_step"]
 
 ErrorInfo = dict[str, Any]
 MESSAGE_VERSION = 1
 
 
 def error_info(rank: int, stage: str, step: int, exc: BaseException) -> ErrorInfo:
-    """Plain-data description of a failure, as announced to the group."""
-    return {
-        "rank": rank,
-        "stage": stage,
-        "step": step,
-        "type": type(exc).__name__,
-        "message": str(exc)[:4000],
-        "traceback": "".join(traceback.format_exception(exc))[-4000:],
-    }
+    """Plain-data description of a failure, as announced to the group (the shared remote-error
+    format of :mod:`evenflow.transports._remote`; ``rank`` is the group rank)."""
+    return RemoteErrorInfo.from_exception(exc, rank=rank, stage=stage, step=step).to_wire()
 
 
-def remote_error(info: ErrorInfo, global_ranks: tuple[int, ...]) -> RemoteStageError:
-    rank = int(info["rank"])
-    failed = global_ranks[rank] if 0 <= rank < len(global_ranks) else rank
-    return RemoteStageError(
-        failed_rank=failed,
-        stage=str(info["stage"]),
-        step=int(info["step"]),
-        error_type=str(info["type"]),
-        message=str(info["message"]),
-    )
+def remote_error(info: object, global_ranks: tuple[int, ...], *, sender: int) -> EvenflowError:
+    """The error this rank raises for group rank ``sender``'s announced failure ``info``.
+
+    ``info`` is peer data: a malformed description, or one naming a rank outside the group,
+    becomes a ``WireFormatError`` naming the sender instead of crashing the judgement.
+    """
+    where = f"rank {global_ranks[sender]}" if 0 <= sender < len(global_ranks) else "a peer"
+    try:
+        checked = RemoteErrorInfo.from_wire(info, sender=where)
+        rank = checked.rank
+        if rank is None or not 0 <= rank < len(global_ranks):
+            raise WireFormatError(
+                f"Malformed error report from {where}: it names group rank {rank!r}, but the "
+                f"group has {len(global_ranks)} ranks. Every rank must run the same evenflow."
+            )
+        if checked.step is None:
+            raise WireFormatError(f"Malformed error report from {where}: it names no step.")
+    except WireFormatError as exc:
+        return exc
+    return RemoteStageError.from_info(checked, failed_rank=global_ranks[rank])
 
 
 @dataclass(eq=False)
@@ -60,7 +65,8 @@ class StepState:
     step: int
     status: str = "ok"  # "ok" | "end" | "error"
     end_reason: str = ""  # "exhausted" | "limit" | "restart"
-    bins: list[list[Any]] | None = None
+    samples: list[Any] | None = None  # this rank's samples, bin after bin, as read
+    sizes: list[int] | None = None  # samples per bin of ``samples``
     metas: list[SampleMetadata] | None = None
     source_state: Any = None
     error: BaseException | None = None
@@ -68,6 +74,7 @@ class StepState:
     remote: BaseException | None = None  # a group-wide error to raise at this step
     terminal: bool = False  # no later step exists: raise or end here
     plan: Plan | None = None
+    routes: RankRoutes | None = None
     stats: StepStats | None = None
     messages: list[dict[str, Any]] | None = None  # every rank's metadata message
     received: dict[Any, Any] = field(default_factory=dict)
@@ -80,7 +87,7 @@ class StepState:
             self.error, self.error_stage = exc, stage
 
     def release_payloads(self) -> None:
-        self.bins = None
+        self.samples = None
         self.messages = None
         self.received = {}
 
@@ -105,11 +112,9 @@ def build_message(
         assert state.error is not None
         msg["error"] = error_info(rank, state.error_stage, state.step, state.error)
     elif state.status == "ok":
-        assert state.bins is not None and state.metas is not None
+        assert state.sizes is not None and state.metas is not None
         metas = state.metas
-        msg["sizes"] = np.fromiter(
-            (len(b) for b in state.bins), dtype=np.int32, count=len(state.bins)
-        )
+        msg["sizes"] = np.array(state.sizes, dtype=np.int32)
         msg["tokens"] = np.fromiter((m.tokens for m in metas), dtype=np.int64, count=len(metas))
         if any(m.features for m in metas):
             msg["features"] = [dict(m.features) for m in metas]
@@ -121,50 +126,64 @@ def build_message(
     return msg
 
 
-def _metadata(tokens: int, features: Any, costs: dict[str, float]) -> SampleMetadata:
-    # Peers validated their metadata before sending it; rebuilding it here without a second
-    # validation keeps a 100,000-sample step cheap. NaN marks a budget the peer's sample lacked,
-    # which the planner then reports by name.
-    meta = object.__new__(SampleMetadata)
-    object.__setattr__(meta, "tokens", tokens)
-    object.__setattr__(meta, "features", features if features is not None else {})
-    object.__setattr__(meta, "packing_costs", costs)
-    return meta
+def peer_columns(messages: list[dict[str, Any]], budget_names: tuple[str, ...]) -> StepColumns:
+    """The step's samples as planner columns, from every rank's message (rank order).
 
-
-def peer_samples(
-    messages: list[dict[str, Any]], step: int, budget_names: tuple[str, ...]
-) -> tuple[list[tuple[SampleKey, SampleMetadata]], list[list[SampleKey]], dict[SampleKey, int]]:
-    """The step's samples, source layout and key → reading rank, from every rank's message.
-
-    Runs on every rank every step over the whole group's samples (100,000 at 1,024 ranks), so
-    each pass is C-level where it can be: keys are minted without re-validation (their fields
-    are this rank's own loop counters), metadata without re-validation (the peer validated
-    it before sending), and the tuples and slices are built by ``map``/``zip``.
+    Rows are the ranks' samples in the order each rank read them, which is the source layout
+    (``sizes`` per bin, rank-major) and also ascending key order, so the planner needs no sort.
     """
-    samples: list[tuple[SampleKey, SampleMetadata]] = []
-    bins: list[list[SampleKey]] = []
-    owner: dict[SampleKey, int] = {}
-    for rank, msg in enumerate(messages):
-        tokens: list[int] = np.asarray(msg["tokens"]).astype(np.int64, copy=False).tolist()
-        count = len(tokens)
-        features = msg.get("features")
-        costs = msg.get("costs")
-        keys = _mint_keys(rank, step, count)
-        if costs is None:
-            rows: Iterable[dict[str, float]] = map(dict, itertools.repeat((), count))
-        else:
-            rows = (
-                {n: v for n, v in zip(budget_names, row, strict=True) if not math.isnan(v)}
-                for row in np.asarray(costs, dtype=np.float64).tolist()
-            )
-        feature_rows = itertools.repeat(None, count) if features is None else features
-        metas = list(map(_metadata, tokens, feature_rows, rows))
-        samples.extend(zip(keys, metas, strict=True))
-        owner.update(zip(keys, itertools.repeat(rank)))
-        ends = np.cumsum(np.asarray(msg["sizes"], dtype=np.int64)).tolist()
-        bins.extend(keys[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True))
-    return samples, bins, owner
+    counts = [len(m["tokens"]) for m in messages]
+    ranks = np.arange(len(messages), dtype=np.int64)
+    starts = np.cumsum([0, *counts[:-1]], dtype=np.int64)
+    total = int(sum(counts))
+    features: list[Any] | None = None
+    if any(m.get("features") is not None for m in messages):
+        features = []
+        for m, count in zip(messages, counts, strict=True):
+            rows = m.get("features")
+            features.extend(itertools.repeat(None, count) if rows is None else rows)
+    costs = None
+    if budget_names:
+        # NaN marks a budget the peer's sample lacked, which the planner reports by name.
+        costs = np.concatenate(
+            [
+                np.full((n, len(budget_names)), np.nan)
+                if m.get("costs") is None
+                else np.asarray(m["costs"], dtype=np.float64).reshape(n, len(budget_names))
+                for m, n in zip(messages, counts, strict=True)
+            ]
+        )
+    return StepColumns(
+        sizes=np.concatenate([np.asarray(m["sizes"], dtype=np.int64) for m in messages]),
+        source_rank=np.repeat(ranks, counts),
+        index=np.arange(total, dtype=np.int64) - np.repeat(starts, counts),
+        tokens=np.concatenate([np.asarray(m["tokens"], dtype=np.int64) for m in messages]),
+        packing_costs=costs,
+        budget_names=budget_names,
+        features=features,
+    )
+
+
+def plan_step(
+    planner: Any,
+    messages: list[dict[str, Any]],
+    step: int,
+    *,
+    budget_names: tuple[str, ...],
+    rank: int,
+    group_ranks: tuple[int, ...],
+) -> tuple[Plan, StepStats, RankRoutes]:
+    """The plan stage's work: every rank's message to the plan, its statistics and the routes
+    of ``rank`` (what the exchange sends and the pack reads)."""
+    plan = planner.plan_arrays(peer_columns(messages, budget_names), step)
+    return with_routes(plan, rank, group_ranks)
+
+
+def with_routes(
+    plan: Plan, rank: int, group_ranks: tuple[int, ...]
+) -> tuple[Plan, StepStats, RankRoutes]:
+    # Rows of a gathered step carry the group rank that read them (source_rank=None).
+    return plan, step_stats(plan, None, group_ranks), rank_routes(plan, rank)
 
 
 def check_digests(

@@ -5,8 +5,9 @@ validation (every key once, every source bin feasible), cost evaluation (once pe
 vectorised), canonical ordering (so a plan never depends on gather order), validation of the
 algorithm's output (count, non-empty, conservation, capacity, budgets) and the acceptance gate
 (the source layout is kept unless the candidate is strictly better by more than
-``min_balance_gain``). Work per step is a handful of passes over the samples; the only
-per-sample Python is unpacking the input and building the result.
+``min_balance_gain``). The input is arrays (:class:`StepColumns`, what the gathered metadata
+carries) and so is the result's layout; work per step is a handful of vectorised passes over
+the samples. :meth:`Planner.plan` is the object-based entry over the same path.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import contextlib
 import gc
 import itertools
 import math
-import operator
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -23,8 +23,19 @@ from typing import Any, cast
 import numpy as np
 
 from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
-from evenflow.engine._plan import BalanceDecision, BinPlan, Plan, _digest_arrays
+from evenflow.engine._plan import BalanceDecision, Plan, PlanLayout
 from evenflow.engine._planning import cost as _cost
+from evenflow.engine._planning.columns import (
+    KeyView,
+    MetadataView,
+    StepColumns,
+    budget_columns,
+    check_columns,
+    check_samples,
+    columns_of_samples,
+    raise_duplicate,
+    strictly_increasing,
+)
 from evenflow.engine._planning.native import core_identity
 from evenflow.engine._planning.objectives import resolve_objective
 from evenflow.engine._planning.problem import (
@@ -38,13 +49,6 @@ from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 
 __all__ = ["Planner"]
-
-_KEY_COLUMNS = tuple(map(operator.attrgetter, ("source_rank", "step", "index")))
-_TOKENS = operator.attrgetter("tokens")
-_FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
-_INT64_MAX = 2**63 - 1
-
 
 _pause_lock = threading.Lock()
 _pause_depth = 0
@@ -121,7 +125,7 @@ class Planner:
         self.algorithm_id = str(
             getattr(self.algorithm, "algorithm_id", type(self.algorithm).__qualname__)
         )
-        self._last_keys: tuple[SampleKey, ...] = ()
+        self._last_keys: Sequence[SampleKey] = ()
         self._last_values: np.ndarray = np.zeros(0, dtype=np.float64)
         self._last_costs: dict[SampleKey, float] | None = {}
 
@@ -177,7 +181,8 @@ class Planner:
         ``samples`` are the step's ``(key, metadata)`` pairs in any order; ``reference_bins``
         is the source layout, rank-major (the first ``bins_per_rank`` bins belong to rank 0),
         listing every key exactly once. Raises ``ConfigError``/``TypeError`` on bad input and
-        ``PlanningError`` when the algorithm returns an invalid layout.
+        ``PlanningError`` when the algorithm returns an invalid layout. The objects are turned
+        into :class:`StepColumns` and planned by :meth:`plan_arrays`.
         """
         step = check_int("step", step, minimum=0)
         # A step holds ~5 objects per sample (100,000 samples at 1,024 ranks), so a full
@@ -186,21 +191,43 @@ class Planner:
         # nothing is lost by collecting after it. The switch is process-wide, so overlapping
         # plans (several loaders, several threads) share one pause: see _collector_paused.
         with _collector_paused():
-            return self._plan(samples, reference_bins, step)
+            columns, keys = columns_of_samples(
+                samples,
+                reference_bins,
+                num_ranks=self.num_ranks,
+                bins_per_rank=self.bins_per_rank,
+                constraints=self.constraints,
+            )
+            return self._plan(columns, step, keys)
+
+    def plan_arrays(self, columns: StepColumns, step: int) -> Plan:
+        """Plan ``step`` from per-sample arrays (what the gathered metadata messages carry).
+
+        Gives the plan :meth:`plan` gives for the same samples and source layout, digest
+        included; no key or metadata object is built unless a cost model, an algorithm or
+        an error message asks for one.
+        """
+        step = check_int("step", step, minimum=0)
+        check_columns(columns, self.num_bins)
+        with _collector_paused():
+            return self._plan(columns, step, None)
 
     def _plan(
-        self,
-        samples: Iterable[tuple[SampleKey, SampleMetadata]],
-        reference_bins: Sequence[Sequence[SampleKey]],
-        step: int,
+        self, columns: StepColumns, step: int, given_keys: tuple[SampleKey, ...] | None
     ) -> Plan:
-        keys, metas, fields = self._canonical_samples(samples)
-        tokens = np.fromiter(map(_TOKENS, metas), dtype=np.int64, count=len(metas))
-        budget_costs = self._budget_costs(keys, metas, tokens)
-        source, source_flat, source_sizes = self._source_bins(reference_bins, keys, fields)
+        fields, order, source_flat = _canonical_order(columns, step)
+        keys: Sequence[SampleKey] = KeyView(fields) if given_keys is None else given_keys
+        metas = MetadataView(columns, order)
+        tokens = np.ascontiguousarray(columns.tokens[order], dtype=np.int64)
+        budget_costs = budget_columns(columns, self.constraints, order)
+        check_samples(self.constraints, tokens, budget_costs, keys, metas)
+        source_sizes = np.asarray(columns.sizes, dtype=np.int64)
+        bounds: list[int] = [0, *np.cumsum(source_sizes).tolist()]
+        values: list[int] = source_flat.tolist()
+        source = tuple(tuple(values[bounds[b] : bounds[b + 1]]) for b in range(self.num_bins))
         costs, rank_cost_fn = self._costs(keys, metas, tokens)
         problem = BalanceProblem(
-            keys=keys,
+            keys=cast("tuple[SampleKey, ...]", keys),
             costs=costs,
             tokens=tokens,
             budget_costs=budget_costs,
@@ -243,176 +270,30 @@ class Planner:
             min_balance_gain=self.min_balance_gain,
             accepted=accepted,
         )
-        return self._build_plan(
-            step,
-            problem,
-            fields,
-            flat=flat,
+        ends = np.cumsum(sizes)
+        layout = PlanLayout(
+            key_fields=fields[flat],
             sizes=sizes,
-            rank_costs=candidate_final_costs,
-            source_costs=source_costs,
-            num_moved=int(np.count_nonzero(dest_rank != source_rank)),
+            tokens=np.add.reduceat(tokens[flat], ends - sizes),
+            bins_per_rank=self.bins_per_rank,
+            keys=given_keys,
+            order=flat if given_keys is not None else None,
+        )
+        return Plan.of_layout(
+            layout,
+            step=step,
+            seq_len=self.seq_len,
+            rank_costs=tuple(candidate_final_costs.tolist()),
+            source_rank_costs=tuple(source_costs.tolist()),
             decision=decision,
+            num_moved=int(np.count_nonzero(dest_rank != source_rank)),
+            digest=layout.digest(step, self.seq_len),
         )
 
     # ------------------------------------------------------------------ steps of plan()
 
-    def _canonical_samples(
-        self, samples: Iterable[tuple[SampleKey, SampleMetadata]]
-    ) -> tuple[tuple[SampleKey, ...], list[SampleMetadata], np.ndarray]:
-        """Keys, metadata and key fields (an ``(n, 3)`` int64 array), in ascending key order."""
-        given: object = samples
-        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
-            raise TypeError(
-                f"samples must be an iterable of (SampleKey, SampleMetadata) pairs, but got "
-                f"{samples!r:.80}."
-            )
-        items = samples if type(samples) is list else list(samples)
-        if not items:
-            raise ConfigError(
-                f"samples is empty, but a step needs at least num_ranks * bins_per_rank = "
-                f"{self.num_bins} samples (one per bin)."
-            )
-        # Type checks as C-level passes (a set of types, not a Python frame per sample).
-        shapes_ok = set(map(type, items)) == {tuple} and set(map(len, items)) == {2}
-        if shapes_ok:
-            given_keys = list(map(_FIRST, items))
-            given_metas = list(map(_SECOND, items))
-            shapes_ok = _all_instances(given_keys, SampleKey) and _all_instances(
-                given_metas, SampleMetadata
-            )
-        if not shapes_ok:
-            bad = next(item for item in items if not _is_pair(item))
-            raise TypeError(
-                f"samples must contain (SampleKey, SampleMetadata) pairs, but got "
-                f"{bad!r:.120}; pass one tuple per sample."
-            )
-        fields = _key_fields(given_keys, "samples")
-        # Canonical order: ascending key. Gathered steps usually arrive sorted already
-        # (rank by rank, index by index), which one vectorised comparison confirms.
-        if _strictly_increasing(fields):
-            return tuple(given_keys), given_metas, fields
-        order = np.lexsort((fields[:, 2], fields[:, 1], fields[:, 0]))
-        fields = fields[order]
-        positions: list[int] = order.tolist()
-        keys = tuple(map(given_keys.__getitem__, positions))
-        if not _strictly_increasing(fields):
-            self._raise_duplicate(keys)
-        return keys, list(map(given_metas.__getitem__, positions)), fields
-
-    @staticmethod
-    def _raise_duplicate(keys: Sequence[SampleKey]) -> None:
-        for a, b in itertools.pairwise(keys):
-            if a == b:
-                raise ConfigError(
-                    f"samples lists key {a} more than once; every sample of a step needs a "
-                    "distinct SampleKey."
-                )
-        raise AssertionError("unreachable: a duplicate key must be adjacent in sorted order")
-
-    def _budget_costs(
-        self, keys: Sequence[SampleKey], metas: Sequence[SampleMetadata], tokens: np.ndarray
-    ) -> np.ndarray:
-        """Footprints per budget; raises the canonical message for an impossible sample."""
-        constraints = self.constraints
-        names = list(constraints.budgets)
-        out = np.zeros((len(metas), len(names)), dtype=np.float64)
-        for k, name in enumerate(names):
-            column = [m.packing_costs.get(name) for m in metas]
-            if None in column:
-                i = column.index(None)
-                constraints.validate_sample(keys[i], metas[i])  # raises: missing name
-            out[:, k] = column
-        bad = np.zeros(len(metas), dtype=bool)
-        if constraints.oversized_policy == "error":
-            bad |= tokens > constraints.seq_len
-        if names:
-            bad |= np.any(out > np.array(list(constraints.budgets.values())), axis=1)
-        hits = np.flatnonzero(bad)
-        if hits.size:
-            i = int(hits[0])
-            constraints.validate_sample(keys[i], metas[i])  # raises the precise message
-            raise AssertionError("unreachable: validate_sample must reject this sample")
-        return out
-
-    def _source_bins(
-        self,
-        reference_bins: Sequence[Sequence[SampleKey]],
-        keys: Sequence[SampleKey],
-        fields: np.ndarray,
-    ) -> tuple[tuple[tuple[int, ...], ...], np.ndarray, np.ndarray]:
-        """The source layout as canonical indices: per-bin tuples, and ``(flat, sizes)``."""
-        nb = self.num_bins
-        given: object = reference_bins
-        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
-            raise TypeError(
-                f"reference_bins must be a sequence of {nb} bins (sequences of SampleKey), "
-                f"but got {reference_bins!r:.80}."
-            )
-        if len(reference_bins) != nb:
-            raise ConfigError(
-                f"reference_bins must hold num_ranks * bins_per_rank = {nb} bins "
-                f"({self.num_ranks} ranks x {self.bins_per_rank}), but got "
-                f"{len(reference_bins)}; pass the source layout rank-major."
-            )
-        if not set(map(type, reference_bins)) <= {list, tuple} or 0 in map(len, reference_bins):
-            for b, items in enumerate(reference_bins):
-                bin_value: object = items
-                if (
-                    isinstance(bin_value, (str, bytes))
-                    or not isinstance(bin_value, Sequence)
-                    or not bin_value
-                ):
-                    raise ConfigError(
-                        f"reference_bins[{b}] (rank {b // self.bins_per_rank}, bin "
-                        f"{b % self.bins_per_rank}) must be a non-empty sequence of SampleKey, "
-                        f"but got {items!r:.80}; every source bin holds at least one sample."
-                    )
-        sizes = np.fromiter(map(len, reference_bins), dtype=np.int64, count=nb)
-        given_keys = list(itertools.chain.from_iterable(reference_bins))
-        ends = np.cumsum(sizes)
-        values: list[int]
-        bounds: list[int] = [0, *ends.tolist()]
-        if len(given_keys) == len(keys) and all(map(operator.is_, given_keys, keys)):
-            # The usual case: the source layout lists the very key objects of samples, in
-            # canonical order (ranks in order, indices ascending), so no lookup is needed.
-            values = list(range(len(keys)))
-            flat = np.arange(len(keys), dtype=np.int64)
-            source = tuple(tuple(values[bounds[b] : bounds[b + 1]]) for b in range(nb))
-            return source, flat, sizes
-        if not _all_instances(given_keys, SampleKey):
-            p = next(p for p, k in enumerate(given_keys) if not isinstance(k, SampleKey))
-            b = int(np.searchsorted(ends, p, side="right"))
-            raise TypeError(
-                f"reference_bins[{b}] must contain SampleKey values, but got {given_keys[p]!r:.80}."
-            )
-        flat = _lookup(fields, _key_fields(given_keys, "reference_bins"))
-        if flat.size and flat.min() < 0:
-            p = int(np.flatnonzero(flat < 0)[0])
-            b = int(np.searchsorted(ends, p, side="right"))
-            raise ConfigError(
-                f"reference_bins[{b}] lists key {given_keys[p]}, which is not among samples; "
-                "reference_bins must list exactly the keys of samples."
-            )
-        seen = np.bincount(flat, minlength=len(keys))
-        if not np.all(seen == 1):
-            twice = np.flatnonzero(seen > 1)
-            if twice.size:
-                raise ConfigError(
-                    f"reference_bins lists key {keys[int(twice[0])]} more than once; every "
-                    "key must appear in exactly one source bin."
-                )
-            absent = int(np.flatnonzero(seen == 0)[0])
-            raise ConfigError(
-                f"reference_bins does not list key {keys[absent]} of samples; every key must "
-                "appear in exactly one source bin."
-            )
-        values = flat.tolist()
-        source = tuple(tuple(values[bounds[b] : bounds[b + 1]]) for b in range(nb))
-        return source, flat, sizes
-
     def _costs(
-        self, keys: tuple[SampleKey, ...], metas: list[SampleMetadata], tokens: np.ndarray
+        self, keys: Sequence[SampleKey], metas: Sequence[SampleMetadata], tokens: np.ndarray
     ) -> tuple[np.ndarray, Any]:
         if not self._components:
             costs = _cost.evaluate_costs(self.cost_model, metas, keys=keys, tokens=tokens)
@@ -527,116 +408,29 @@ class Planner:
             )
         return value
 
-    def _build_plan(
-        self,
-        step: int,
-        problem: BalanceProblem,
-        fields: np.ndarray,
-        *,
-        flat: np.ndarray,
-        sizes: np.ndarray,
-        rank_costs: np.ndarray,
-        source_costs: np.ndarray,
-        num_moved: int,
-        decision: BalanceDecision,
-    ) -> Plan:
-        keys = problem.keys
-        per = self.bins_per_rank
-        seq_len = self.seq_len
-        ends = np.cumsum(sizes)
-        bin_tokens: list[int] = np.add.reduceat(problem.tokens[flat], ends - sizes).tolist()
-        # Every key once, in bin order, gathered in C; each bin is then one tuple slice.
-        # (itemgetter builds the tuple in one call: about half the time of map at 100,000
-        # keys, whose random order makes every reference a cache miss.)
-        positions: list[int] = flat.tolist()
-        ordered = (
-            operator.itemgetter(*positions)(keys) if len(positions) > 1 else (keys[positions[0]],)
-        )
-        bounds: list[int] = [0, *ends.tolist()]
-        bins = [
-            BinPlan(
-                sample_keys=ordered[bounds[b] : bounds[b + 1]],
-                tokens=bin_tokens[b],
-                oversized=bin_tokens[b] > seq_len,
-            )
-            for b in range(len(bin_tokens))
-        ]
-        local_batches = tuple(tuple(bins[r * per : (r + 1) * per]) for r in range(self.num_ranks))
-        return Plan(
-            step=step,
-            seq_len=seq_len,
-            local_batches=local_batches,
-            rank_costs=tuple(rank_costs.tolist()),
-            source_rank_costs=tuple(source_costs.tolist()),
-            decision=decision,
-            num_moved=num_moved,
-            digest=_digest_arrays(step, seq_len, sizes, fields[flat], per),
-        )
 
+def _canonical_order(columns: StepColumns, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Key fields in ascending key order, the row of each, and the canonical index of each row.
 
-def _all_instances(values: Iterable[object], cls: type) -> bool:
-    """Whether every value is a ``cls`` (one C-level pass over the distinct types)."""
-    return all(issubclass(t, cls) for t in set(map(type, values)))
-
-
-def _is_pair(item: object) -> bool:
-    return (
-        type(item) is tuple
-        and len(item) == 2
-        and isinstance(item[0], SampleKey)
-        and isinstance(item[1], SampleMetadata)
-    )
-
-
-def _key_fields(keys: Sequence[SampleKey], who: str) -> np.ndarray:
-    """``(source_rank, step, index)`` of every key, as an ``(n, 3)`` int64 array."""
-    n = len(keys)
-    out = np.empty((n, 3), dtype=np.int64)
-    try:
-        # One C-level pass per field (no tuple per key).
-        for column, field in enumerate(_KEY_COLUMNS):
-            out[:, column] = np.fromiter(map(field, keys), dtype=np.int64, count=n)
-    except OverflowError:
-        big = next(k for k in keys if max(k.as_tuple()) > _INT64_MAX)
-        raise ConfigError(
-            f"{who} holds key {big}, whose fields exceed 2**63 - 1; the planner encodes key "
-            "fields as int64, so use smaller ranks, steps and indices."
-        ) from None
-    return out
-
-
-def _strictly_increasing(fields: np.ndarray) -> bool:
-    """Whether the rows of an ``(n, 3)`` array ascend strictly in lexicographic order."""
-    if len(fields) < 2:
-        return True
-    d = np.diff(fields, axis=0)
-    up = (d[:, 0] > 0) | ((d[:, 0] == 0) & ((d[:, 1] > 0) | ((d[:, 1] == 0) & (d[:, 2] > 0))))
-    return bool(up.all())
-
-
-def _lookup(table: np.ndarray, queries: np.ndarray) -> np.ndarray:
-    """Row of ``table`` (sorted, distinct rows) equal to each query row, or -1.
-
-    Rows are packed into one int64 each by mixed radix over the table's value ranges, which
-    keeps their order, so one ``searchsorted`` finds them all. A query outside those ranges
-    cannot be in the table. When the ranges are too wide to pack (arbitrary huge indices)
-    a dictionary of rows does the lookup instead.
+    Planning works in ascending key order, so no plan depends on the order in which the
+    metadata was gathered. Rows of a gathered step are already in that order (rank by rank,
+    index by index), which one vectorised comparison confirms.
     """
-    low = table.min(axis=0)
-    span = table.max(axis=0) - low + 1
-    inside = np.all((queries >= low) & (queries < low + span), axis=1)
-    if float(span[0]) * float(span[1]) * float(span[2]) < 2.0**62:
-        pack = np.array([span[1] * span[2], span[2], 1], dtype=np.int64)
-        codes = (table - low) @ pack
-        wanted = (np.where(inside[:, None], queries, low) - low) @ pack
-        pos = np.minimum(np.searchsorted(codes, wanted), len(codes) - 1)
-        return np.where(inside & (codes[pos] == wanted), pos, -1)
-    index = {row: i for i, row in enumerate(map(tuple, table.tolist()))}
-    return np.fromiter(
-        (index.get(row, -1) for row in map(tuple, queries.tolist())),
-        dtype=np.int64,
-        count=len(queries),
-    )
+    n = columns.num_samples
+    rows = np.empty((n, 3), dtype=np.int64)
+    rows[:, 0] = columns.source_rank
+    rows[:, 1] = step if columns.key_step is None else columns.key_step
+    rows[:, 2] = columns.index
+    if strictly_increasing(rows):
+        identity = np.arange(n, dtype=np.int64)
+        return rows, identity, identity
+    order = np.lexsort((rows[:, 2], rows[:, 1], rows[:, 0]))
+    fields = rows[order]
+    if not strictly_increasing(fields):
+        raise_duplicate(KeyView(fields))
+    inverse = np.empty(n, dtype=np.int64)
+    inverse[order] = np.arange(n, dtype=np.int64)
+    return fields, order, inverse
 
 
 def _flat_arrays(layout: FlatLayout) -> tuple[np.ndarray, np.ndarray] | None:

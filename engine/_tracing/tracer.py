@@ -31,19 +31,17 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
-import random
 import threading
-import time
 from collections import deque
-from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
 from types import TracebackType
 from typing import Any, Final
 
+from evenflow.engine._tracing.chrome import write_chrome_trace
+from evenflow.engine._tracing.stall import _StageStats, _stall_fraction
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, LoaderStateError
 
@@ -52,20 +50,13 @@ __all__ = [
     "WAIT_STAGE",
     "NullTracer",
     "Span",
-    "StallMeter",
     "Tracer",
-    "merge_chrome_traces",
     "resolve_tracer",
 ]
 
 _LOGGER: Final = logging.getLogger("evenflow.trace")
 
-# Every Chrome-trace timestamp is relative to this instant. The wall-clock time of the same
-# instant goes into the file, so traces of different processes can be aligned when merged.
-_EPOCH_PERF: Final = perf_counter()
-_EPOCH_UNIX: Final = time.time()
 
-_RESERVOIR_SIZE: Final = 4096
 # (step, stage, start, end, queue_depth, attrs): a span without its rank.
 _Record = tuple[int, str, float, float, int, "dict[str, Any] | None"]
 _JSONL_BATCH: Final = 256
@@ -111,75 +102,6 @@ class Span:
         if self.attrs:
             record["attrs"] = self.attrs
         return record
-
-
-class _Reservoir:
-    """A uniform sample of at most ``size`` values from a stream (Vitter's algorithm R).
-
-    Percentiles of the sample estimate those of the stream; with 4,096 samples the p99 estimate
-    rests on ~40 values above it, good to a few percent for the smooth distributions of stage
-    times. Seeded, so a given stream always yields the same estimate.
-    """
-
-    __slots__ = ("_rng", "_seen", "_size", "values")
-
-    def __init__(self, size: int = _RESERVOIR_SIZE, seed: int = 0) -> None:
-        self._size = size
-        self._seen = 0
-        self._rng = random.Random(seed)
-        self.values: list[float] = []
-
-    def add(self, value: float) -> None:
-        self._seen += 1
-        if len(self.values) < self._size:
-            self.values.append(value)
-            return
-        slot = self._rng.randrange(self._seen)
-        if slot < self._size:
-            self.values[slot] = value
-
-    def percentile(self, q: float) -> float:
-        """Nearest-rank percentile ``q`` in [0, 100] of the sample; 0.0 when empty."""
-        if not self.values:
-            return 0.0
-        ordered = sorted(self.values)
-        rank = min(len(ordered), max(1, math.ceil(len(ordered) * q / 100)))
-        return ordered[rank - 1]
-
-
-class _StageStats:
-    """Exact running aggregates of one stage, plus a reservoir for percentiles."""
-
-    __slots__ = ("count", "depth_sum", "max", "reservoir", "total")
-
-    def __init__(self, seed: int) -> None:
-        self.count = 0
-        self.total = 0.0
-        self.max = 0.0
-        self.depth_sum = 0
-        self.reservoir = _Reservoir(seed=seed)
-
-    def add(self, duration: float, queue_depth: int) -> None:
-        self.count += 1
-        self.total += duration
-        self.max = max(self.max, duration)
-        self.depth_sum += queue_depth
-        self.reservoir.add(duration)
-
-    def summary(self) -> dict[str, float | int]:
-        return {
-            "count": self.count,
-            "total": self.total,
-            "p50": self.reservoir.percentile(50),
-            "p99": self.reservoir.percentile(99),
-            "max": self.max,
-            "mean_queue_depth": self.depth_sum / self.count if self.count else 0.0,
-        }
-
-
-def _stall_fraction(wait: float, compute: float) -> float:
-    busy = wait + compute
-    return wait / busy if busy > 0 else 0.0
 
 
 def _check_sink_path(name: str, value: object) -> str | None:
@@ -355,7 +277,7 @@ class Tracer:
                     self._jsonl_file = None
             if self._chrome_template is not None:
                 self._chrome_path = _resolve_sink_path(self._chrome_template, self._rank, ".json")
-                self._write_chrome_locked(self._chrome_path)
+                write_chrome_trace(self._chrome_path, self._rank, self._tracks, self._spans)
 
     def __enter__(self) -> Tracer:
         return self
@@ -485,52 +407,6 @@ class Tracer:
                 "data_stall_fraction": _stall_fraction(wait, compute),
             }
 
-    # -- Chrome trace ----------------------------------------------------------------------
-
-    def _write_chrome_locked(self, path: Path) -> None:
-        pid = self._rank
-        events: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {pid}"}},
-            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}},
-        ]
-        for stage, tid in self._tracks.items():
-            events.append(
-                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": stage}}
-            )
-            events.append(
-                {
-                    "name": "thread_sort_index",
-                    "ph": "M",
-                    "pid": pid,
-                    "tid": tid,
-                    "args": {"sort_index": tid},
-                }
-            )
-        for step, stage, start, end, queue_depth, attrs in self._spans:
-            args: dict[str, Any] = {"step": step, "queue_depth": queue_depth}
-            if attrs:
-                args.update(attrs)
-            events.append(
-                {
-                    "name": stage,
-                    "cat": "evenflow",
-                    "ph": "X",
-                    "pid": pid,
-                    "tid": self._tracks[stage],
-                    "ts": (start - _EPOCH_PERF) * 1e6,
-                    "dur": max(0.0, end - start) * 1e6,
-                    "args": args,
-                }
-            )
-        document = {
-            "traceEvents": events,
-            "displayTimeUnit": "ms",
-            "otherData": {"evenflow_epoch_unix": _EPOCH_UNIX, "rank": pid},
-        }
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(document, default=repr), encoding="utf-8")
-        tmp.replace(path)  # readers never see a half-written trace
-
 
 class _NullSpan:
     """The shared, stateless context manager :meth:`NullTracer.span` returns."""
@@ -631,137 +507,3 @@ def resolve_tracer(value: object) -> Tracer | NullTracer:
         f"tracer must be None or an evenflow Tracer, but got {value!r} ({type(value).__name__}); "
         "pass Tracer(chrome='traces/') or leave it unset."
     )
-
-
-class StallMeter:
-    """Measures how long the caller waits for data and how long it computes in between.
-
-    Always on (two ``perf_counter`` calls per ``next()``), independent of tracing::
-
-        start = meter.start_wait()   # entering next(): closes the previous compute interval
-        ...                          # wait for the batch
-        end = meter.end_wait()       # leaving next(): opens the next compute interval
-
-    :meth:`pause` forgets the open compute interval (e.g. between epochs), so time the caller
-    spent away from the loader does not count as compute. Not thread-safe: one consumer.
-    """
-
-    __slots__ = ("_compute", "_compute_interval", "_last_end", "_wait", "_wait_start")
-
-    def __init__(self) -> None:
-        self._wait = _StageStats(seed=0)
-        self._compute = _StageStats(seed=1)
-        self._wait_start: float | None = None
-        self._last_end: float | None = None
-        self._compute_interval: tuple[float, float] | None = None
-
-    def start_wait(self) -> float:
-        """Mark entry into ``next()``; returns the ``perf_counter`` time."""
-        now = perf_counter()
-        if self._last_end is not None:
-            self._compute.add(now - self._last_end, 0)
-            self._compute_interval = (self._last_end, now)
-            self._last_end = None
-        else:
-            self._compute_interval = None
-        self._wait_start = now
-        return now
-
-    def end_wait(self) -> float:
-        """Mark exit from ``next()`` (with or without a batch); returns the time."""
-        now = perf_counter()
-        if self._wait_start is None:
-            raise LoaderStateError("StallMeter.end_wait() was called without start_wait().")
-        self._wait.add(now - self._wait_start, 0)
-        self._wait_start = None
-        self._last_end = now
-        return now
-
-    @property
-    def compute_interval(self) -> tuple[float, float] | None:
-        """``(start, end)`` of the compute interval the last :meth:`start_wait` closed."""
-        return self._compute_interval
-
-    def pause(self) -> None:
-        """Stop the open compute interval from counting (the caller went elsewhere)."""
-        self._last_end = None
-
-    @property
-    def wait_total(self) -> float:
-        """Seconds the caller spent inside ``next()``."""
-        return self._wait.total
-
-    @property
-    def compute_total(self) -> float:
-        """Seconds the caller spent between ``next()`` calls."""
-        return self._compute.total
-
-    @property
-    def data_stall_fraction(self) -> float:
-        """``wait / (wait + compute)``; 0.0 before anything was measured."""
-        return _stall_fraction(self._wait.total, self._compute.total)
-
-    def summary(self) -> dict[str, Any]:
-        """``{"wait": {...}, "compute": {...}, "data_stall_fraction": f}``; the inner dicts
-        hold ``count``, ``total``, ``p50``, ``p99``, ``max`` (seconds) as in
-        :meth:`Tracer.summary`."""
-        wait = self._wait.summary()
-        compute = self._compute.summary()
-        del wait["mean_queue_depth"], compute["mean_queue_depth"]
-        return {
-            "wait": wait,
-            "compute": compute,
-            "data_stall_fraction": self.data_stall_fraction,
-        }
-
-
-def merge_chrome_traces(
-    paths: Iterable[str | os.PathLike[str]], out_path: str | os.PathLike[str]
-) -> Path:
-    """Merge per-rank Chrome traces into one file (one process track per rank).
-
-    Timestamps are shifted onto a common clock using the wall-clock epoch each evenflow trace
-    records (exact for ranks on one machine, as good as clock synchronisation across machines);
-    files without one (other tools' traces) are taken as they are. Accepts the JSON object and
-    the bare-array formats; writes the object format. Returns the output path.
-    """
-    sources = [Path(os.fspath(p)) for p in paths]
-    if not sources:
-        raise ConfigError("paths must name at least one Chrome-trace file, but got none.")
-    loaded: list[tuple[list[dict[str, Any]], float | None]] = []
-    for source in sources:
-        with source.open(encoding="utf-8") as handle:
-            document = json.load(handle)
-        epoch: float | None = None
-        if isinstance(document, list):
-            events = document
-        elif isinstance(document, Mapping) and isinstance(document.get("traceEvents"), list):
-            events = document["traceEvents"]
-            other = document.get("otherData")
-            if isinstance(other, Mapping) and isinstance(
-                other.get("evenflow_epoch_unix"), (int, float)
-            ):
-                epoch = float(other["evenflow_epoch_unix"])
-        else:
-            raise ConfigError(
-                f"paths must name Chrome-trace JSON files, but {str(source)!r} holds neither a "
-                "list of events nor an object with a 'traceEvents' list."
-            )
-        loaded.append((events, epoch))
-    epochs = [epoch for _, epoch in loaded if epoch is not None]
-    base = min(epochs) if epochs else 0.0
-    merged: list[dict[str, Any]] = []
-    for events, epoch in loaded:
-        shift = (epoch - base) * 1e6 if epoch is not None else 0.0
-        for event in events:
-            if shift and isinstance(event, dict) and isinstance(event.get("ts"), (int, float)):
-                merged.append({**event, "ts": event["ts"] + shift})
-            else:
-                merged.append(event)
-    target = Path(os.fspath(out_path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    document_out: dict[str, Any] = {"traceEvents": merged, "displayTimeUnit": "ms"}
-    if epochs:
-        document_out["otherData"] = {"evenflow_epoch_unix": base}
-    target.write_text(json.dumps(document_out), encoding="utf-8")
-    return target

@@ -41,7 +41,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
@@ -51,7 +50,8 @@ from typing import Any
 
 import msgpack
 
-from evenflow.transports.errors import EvenflowError
+from evenflow.transports._remote import RemoteErrorInfo, one_line, traceback_note
+from evenflow.transports.errors import EvenflowError, WireFormatError
 
 __all__ = ["LaunchError", "RankDeadlineError", "RankFailedError", "RankPool", "run_ranks"]
 
@@ -69,7 +69,9 @@ class RankFailedError(LaunchError):
 
     ``rank`` is the first rank that failed; ``exc_type``, ``remote_message`` and
     ``remote_traceback`` describe its exception (None when it died without one, in which case
-    ``exitcode`` is set: negative for a signal). ``outcomes`` maps every rank to what it
+    ``exitcode`` is set: negative for a signal). ``str()`` is one line; the remote traceback is
+    also a ``__notes__`` entry, so a printed or logged traceback shows where the rank failed
+    (the same convention as ``RemoteStageError``). ``outcomes`` maps every rank to what it
     reported before the pool was torn down: ``("result", value)``, ``("error", text)``,
     ``("died", text)`` or ``("killed", text)``.
     """
@@ -176,20 +178,10 @@ def _watch_parent() -> None:
     threading.Thread(target=watch, name="evenflow-launch-lifeline", daemon=True).start()
 
 
-def _send_error(conn: Connection, exc: BaseException, phase: str) -> None:
-    text = "".join(traceback.format_exception(exc))
+def _send_error(conn: Connection, exc: BaseException, rank: int, phase: str) -> None:
+    info = RemoteErrorInfo.from_exception(exc, rank=rank, stage=phase, step=None)
     with contextlib.suppress(Exception):
-        conn.send_bytes(
-            _pack(
-                {
-                    "kind": "error",
-                    "phase": phase,
-                    "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-                    "message": str(exc),
-                    "traceback": text,
-                }
-            )
-        )
+        conn.send_bytes(_pack({"kind": "error", "error": info.to_wire()}))
 
 
 def _rank_main(
@@ -222,7 +214,7 @@ def _rank_main(
 
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
     except BaseException as exc:
-        _send_error(conn, exc, "init")
+        _send_error(conn, exc, rank, "init")
         _flush_and_exit(1)
     conn.send_bytes(_pack({"kind": "ready"}))
     while True:
@@ -246,7 +238,7 @@ def _rank_main(
         except BaseException as exc:
             # Exit right after reporting: peers blocked on this rank then fail at once with a
             # closed connection instead of waiting for the group timeout.
-            _send_error(conn, exc, "run")
+            _send_error(conn, exc, rank, "run")
             _flush_and_exit(1)
         conn.send_bytes(reply)
     with contextlib.suppress(Exception):
@@ -487,7 +479,7 @@ class RankPool:
     ) -> list[Any]:
         """Wait for one ``expect`` message per rank, a failure, or the deadline."""
         outcomes: dict[int, tuple[str, Any]] = {}
-        errors: dict[int, dict[str, Any]] = {}
+        errors: dict[int, RemoteErrorInfo] = {}
         first_failure: int | None = None
         wait_until = until
         by_handle: dict[Any, tuple[str, int]] = {}
@@ -519,8 +511,12 @@ class RankPool:
                 outcomes[rank] = ("result", message.get("value"))
                 pending.discard(rank)
             elif message["kind"] == "error":
-                errors[rank] = message
-                fail(rank, "error", f"{message['type']}: {message['message']}")
+                try:
+                    info = RemoteErrorInfo.from_wire(message.get("error"), sender=f"rank {rank}")
+                except WireFormatError as exc:
+                    info = RemoteErrorInfo.from_exception(exc, rank=rank, stage=what, step=None)
+                errors[rank] = info
+                fail(rank, "error", f"{info.qualified_type}: {one_line(info.message)}")
             return True
 
         while pending:
@@ -570,7 +566,7 @@ class RankPool:
     def _failure(
         self,
         rank: int,
-        errors: dict[int, dict[str, Any]],
+        errors: dict[int, RemoteErrorInfo],
         outcomes: dict[int, tuple[str, Any]],
         world: _World,
         what: str,
@@ -584,20 +580,23 @@ class RankPool:
         error = errors.get(rank)
         if error is not None:
             message = (
-                f"Rank {rank} of {self._num_ranks} raised {error['type']} in {what}: "
-                f"{error['message']}\n\nRemote traceback (rank {rank}):\n{error['traceback']}"
+                f"Rank {rank} of {self._num_ranks} raised {error.qualified_type} in {what}: "
+                f"{one_line(error.message)}"
             )
             if others:
-                message += f"\nOther ranks: {others}."
-            return RankFailedError(
+                message += f" Other ranks: {others}."
+            failure = RankFailedError(
                 message,
                 rank=rank,
-                exc_type=error["type"],
-                remote_message=error["message"],
-                remote_traceback=error["traceback"],
+                exc_type=error.qualified_type,
+                remote_message=error.message,
+                remote_traceback=error.traceback,
                 exitcode=world.procs[rank].exitcode,
                 outcomes=outcomes,
             )
+            if error.traceback:
+                failure.add_note(traceback_note(f"rank {rank}", error.traceback))
+            return failure
         code = world.procs[rank].exitcode
         message = f"Rank {rank} of {self._num_ranks} {_exit_text(code)} during {what}."
         if others:

@@ -37,6 +37,9 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.transports._gloo import GlooTransport
+from evenflow.transports._protocol import pack_outgoing
+from evenflow.transports._wire import encode_many
 from evenflow.transports.launch import run_ranks
 
 _MIB = 1 << 20
@@ -81,13 +84,10 @@ async def _measure_size(
     import torch
     import torch.distributed as dist
 
-    from evenflow.transports._gloo import normalize_outgoing
-    from evenflow.transports._wire import encode_many
-
     world = dist.group.WORLD
     outgoing, per_target = _payload(rank, num_ranks, mib * _MIB, seed + mib)
-    lists = normalize_outgoing(outgoing, num_ranks)
-    wire_bytes = sum(encode_many([items for items in lists if items])[1])
+    packed = pack_outgoing(rank, outgoing)
+    wire_bytes = sum(encode_many([packed[t] for t in sorted(packed)])[1])
     sizes = torch.tensor(per_target, dtype=torch.int64)
     incoming = torch.empty(num_ranks, dtype=torch.int64)
     dist.all_to_all_single(incoming, sizes, group=world)
@@ -160,8 +160,6 @@ def _rank_main(
 ) -> dict[str, Any]:
     """Runs on every rank: times every method for every size."""
     import torch
-
-    from evenflow.transports._gloo import GlooTransport
 
     torch.set_num_threads(1)
 

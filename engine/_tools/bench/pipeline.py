@@ -52,8 +52,18 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine._config import LoaderConfig
+from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._pipeline.loader import BalancedLoader
+from evenflow.engine._pipeline.pack import default_pack_fn
+from evenflow.engine._planning.cost import QuadraticCost
+from evenflow.engine._planning.planner import Planner
+from evenflow.engine._tracing import NullTracer, Tracer
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.workloads import make_step, step_source
+from evenflow.transports._gloo import GlooTransport
+from evenflow.transports.launch import LaunchError, run_ranks
 
 __all__ = ["main"]
 
@@ -74,7 +84,6 @@ _CALLER_STAGES = frozenset({"wait", "compute"})
 
 
 def _source(rank: int, steps: int, seed: int) -> Iterator[Any]:
-    from evenflow.engine.workloads import step_source
 
     return step_source(
         "sft",
@@ -89,8 +98,6 @@ def _source(rank: int, steps: int, seed: int) -> Iterator[Any]:
 
 def _seconds_per_cost(num_ranks: int, seed: int, target_s: float) -> float:
     """Sleep seconds per unit of planned cost so the mean rank computes ``target_s``."""
-    from evenflow.engine._planning.cost import QuadraticCost
-    from evenflow.engine.workloads import make_step
 
     cost = QuadraticCost()
     totals = []
@@ -126,8 +133,6 @@ class _Reference:
         self.step = 0
 
     async def fetch(self) -> tuple[list[Any], float] | None:
-        from evenflow.engine._model import SampleKey, SampleMetadata
-        from evenflow.engine._pipeline.pack import default_pack_fn
 
         bins = next(self.source, None)
         # Every source here has the same number of steps, so all ranks end together.
@@ -164,9 +169,6 @@ class _Reference:
 
 
 def _make_loader(config_name: str, transport: Any, spec: dict[str, Any], rank: int) -> Any:
-    from evenflow.engine._config import LoaderConfig
-    from evenflow.engine._pipeline.loader import BalancedLoader
-    from evenflow.engine._tracing.tracer import Tracer
 
     tracer = None
     if config_name == "balanced+trace":
@@ -205,7 +207,6 @@ def _record(
 
 
 def _run_sync(config_name: str, transport: Any, spec: dict[str, Any], rank: int) -> dict[str, Any]:
-    from evenflow.engine._planning.planner import Planner
 
     k = spec["seconds_per_cost"]
     steps: list[dict[str, float]] = []
@@ -252,7 +253,6 @@ def _run_sync(config_name: str, transport: Any, spec: dict[str, Any], rank: int)
 async def _run_async(
     config_name: str, transport: Any, spec: dict[str, Any], rank: int
 ) -> dict[str, Any]:
-    from evenflow.engine._planning.planner import Planner
 
     k = spec["seconds_per_cost"]
     loop = asyncio.get_running_loop()
@@ -300,8 +300,6 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
     """Every configuration and mode on this world, one after another (plain-data result)."""
     import torch
 
-    from evenflow.transports._gloo import GlooTransport
-
     torch.set_num_threads(1)
     spec = dict(spec, seconds_per_cost=_seconds_per_cost(num_ranks, spec["seed"], spec["target_s"]))
     results: dict[str, Any] = {}
@@ -325,7 +323,6 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
 
 def _null_tracer_cost(spans_per_step: int) -> float:
     """Seconds the tracing hooks cost per step when tracing is off (NullTracer calls)."""
-    from evenflow.engine._tracing.tracer import NullTracer
 
     tracer = NullTracer()
     n = 20_000
@@ -542,7 +539,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench pipeline
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    from evenflow.transports.launch import LaunchError, run_ranks
 
     started = time.perf_counter()
     worlds = []

@@ -3,10 +3,13 @@
 Two parts:
 
 1. **One group of N ranks** (N = 8, 64, 256, 1,024): per step, the planner's wall time on the
-   whole step, the metadata message each rank sends (the engine's real ``build_message``
-   encoded with the real wire codec), and the payload bytes each rank sends to others under
-   the accepted plan. For N up to ``--gather-up-to`` the metadata round also runs for real
-   over the ``inprocess`` transport, every rank an asyncio task of this one process.
+   whole step (``Planner.plan`` on key and metadata objects), the pipeline's plan stage (the
+   engine's real ``plan_step``: every rank's decoded metadata message to the plan, its step
+   statistics and one rank's exchange and pack routes), the metadata message each rank sends
+   (the engine's real ``build_message`` encoded with the real wire codec), and the payload
+   bytes each rank sends to others under the accepted plan. For N up to ``--gather-up-to``
+   the metadata round also runs for real over the ``inprocess`` transport, every rank an
+   asyncio task of this one process.
 2. **Two levels** (default 128 nodes x 8 ranks): the same step balanced node-local (one group
    per node, planned independently) versus globally (one group of every rank): the balance
    each reaches, the planning time, and the payload bytes that would cross nodes. Node-local
@@ -33,9 +36,13 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._model import SampleKey, SampleMetadata
-from evenflow.engine._pipeline.step import StepState, build_message
+from evenflow.engine._pipeline.step import StepState, build_message, plan_step
 from evenflow.engine._plan import Plan
+from evenflow.engine._planning.cost import QuadraticCost
+from evenflow.engine._planning.planner import Planner
+from evenflow.engine.workloads import make_step
 from evenflow.transports import _wire
+from evenflow.transports.testing import run_inprocess
 
 __all__ = ["main"]
 
@@ -69,8 +76,6 @@ def _percentile(values: Sequence[float], q: float) -> float:
 
 
 def _planner(num_ranks: int, settings: _Settings) -> Any:
-    from evenflow.engine._planning.cost import QuadraticCost
-    from evenflow.engine._planning.planner import Planner
 
     return Planner(
         num_ranks=num_ranks,
@@ -82,7 +87,6 @@ def _planner(num_ranks: int, settings: _Settings) -> Any:
 
 
 def _step(num_ranks: int, step: int, settings: _Settings) -> tuple[Samples, Bins]:
-    from evenflow.engine.workloads import make_step
 
     return make_step(
         settings.distribution,
@@ -104,7 +108,7 @@ def _messages(
     for rank in range(len(bins) // bins_per_rank):
         rank_bins = bins[rank * bins_per_rank : (rank + 1) * bins_per_rank]
         metas = [meta[key] for b in rank_bins for key in b]
-        state = StepState(step=step, bins=[list(b) for b in rank_bins], metas=metas)
+        state = StepState(step=step, sizes=list(map(len, rank_bins)), metas=metas)
         out.append(build_message(state, rank, 0, (), prev))
     return out
 
@@ -129,7 +133,6 @@ def _moves(
 
 async def _gather_seconds(messages: list[dict[str, Any]]) -> float:
     """Wall time of one real metadata all-gather among ``len(messages)`` in-process ranks."""
-    from evenflow.transports.testing import run_inprocess
 
     async def member(transport: Any) -> int:
         received = await transport.all_gather(messages[transport.rank])
@@ -146,6 +149,7 @@ def _one_group(num_ranks: int, settings: _Settings) -> dict[str, Any]:
     planner = _planner(num_ranks, settings)
     steps = settings.steps if num_ranks < 1024 else settings.large_steps
     plan_ms: list[float] = []
+    stage_ms: list[float] = []
     meta_bytes: list[float] = []
     meta_per_sample: list[float] = []
     sent_mean: list[float] = []
@@ -159,7 +163,24 @@ def _one_group(num_ranks: int, settings: _Settings) -> dict[str, Any]:
         plan = planner.plan(samples, bins, step)
         plan_ms.append((time.perf_counter() - started) * 1e3)
         messages = _messages(samples, bins, step, settings.bins_per_rank, prev)
-        sizes = [len(_wire.encode(m)) for m in messages]
+        encoded = [_wire.encode(m) for m in messages]
+        sizes = [len(e) for e in encoded]
+        received = [_wire.decode(e) for e in encoded]
+        started = time.perf_counter()
+        staged, _, _ = plan_step(
+            planner,
+            received,
+            step,
+            budget_names=(),
+            rank=num_ranks // 2,
+            group_ranks=tuple(range(num_ranks)),
+        )
+        stage_ms.append((time.perf_counter() - started) * 1e3)
+        if staged.digest != plan.digest:
+            raise AssertionError(
+                f"step {step}: the plan stage's digest {staged.digest!r} differs from "
+                f"Planner.plan's {plan.digest!r}; both must plan the same step identically."
+            )
         meta_bytes.append(statistics.fmean(sizes))
         meta_per_sample.append(sum(sizes) / len(samples))
         samples_per_rank.append(len(samples) / num_ranks)
@@ -177,6 +198,8 @@ def _one_group(num_ranks: int, settings: _Settings) -> dict[str, Any]:
         "samples_per_rank": statistics.fmean(samples_per_rank),
         "plan_ms_p50": _percentile(plan_ms, 50),
         "plan_ms_p99": _percentile(plan_ms, 99),
+        "stage_ms_p50": _percentile(stage_ms, 50),
+        "stage_ms_p99": _percentile(stage_ms, 99),
         "meta_bytes_per_rank": statistics.fmean(meta_bytes),
         "meta_bytes_per_sample": statistics.fmean(meta_per_sample),
         "sent_bytes_per_rank_mean": statistics.fmean(sent_mean),
@@ -197,7 +220,6 @@ def _balance(rank_costs: np.ndarray[Any, Any], largest: float) -> dict[str, floa
 
 
 def _two_level(settings: _Settings) -> dict[str, Any]:
-    from evenflow.engine._planning.cost import QuadraticCost
 
     nodes, per_node = settings.nodes, settings.ranks_per_node
     num_ranks = nodes * per_node
@@ -302,15 +324,21 @@ def _print(report: dict[str, Any]) -> None:
         f"One balance group: {s['distribution']}/{s['packer']} steps, {s['bins_per_rank']} bins "
         f"per rank, seq_len {s['seq_len']}, algorithm {s['algorithm']!r}, cost 24576*L + L^2"
     )
+    print(
+        "plan: Planner.plan on key and metadata objects; stage: the pipeline's plan stage "
+        "(decoded messages -> plan, statistics and one rank's routes); both in ms"
+    )
     header = (
-        f"{'ranks':>6} {'samples/rk':>10} {'plan p50':>9} {'plan p99':>9} {'meta B/rk':>9} "
+        f"{'ranks':>6} {'samples/rk':>10} {'plan p50':>9} {'plan p99':>9} {'stage p50':>9} "
+        f"{'stage p99':>9} {'meta B/rk':>9} "
         f"{'meta B/smp':>10} {'sent MB/rk':>10} {'max MB/rk':>9} {'gather ms':>9} {'per rk':>7}"
     )
     print(header)
     for g in report["groups"]:
         print(
             f"{g['num_ranks']:>6} {g['samples_per_rank']:>10.1f} {g['plan_ms_p50']:>9.1f} "
-            f"{g['plan_ms_p99']:>9.1f} {g['meta_bytes_per_rank']:>9.0f} "
+            f"{g['plan_ms_p99']:>9.1f} {g['stage_ms_p50']:>9.1f} {g['stage_ms_p99']:>9.1f} "
+            f"{g['meta_bytes_per_rank']:>9.0f} "
             f"{g['meta_bytes_per_sample']:>10.2f} {g['sent_bytes_per_rank_mean'] / 1e6:>10.3f} "
             f"{g['sent_bytes_per_rank_max'] / 1e6:>9.3f} {_fmt(g['gather_wall_ms'], '9.1f')} "
             f"{_fmt(g['gather_per_rank_ms'], '7.2f')}"

@@ -4,7 +4,7 @@ The point of the model is to make the cost of a packed step behave like a real l
 linear layers cost per token, attention costs per query-key pair *inside each sample*. A dense
 ``T x T`` mask over the whole packed sequence would cost ``T^2`` whatever the samples are and
 hide exactly the imbalance the demo shows, so attention runs per sample: the packed
-``[T, heads, head_dim]`` projections are split at ``cu_seqlens`` and each piece goes through
+``[T, heads, head_dim]`` projections are split at ``cu_seq_lens_q`` and each piece goes through
 ``scaled_dot_product_attention(is_causal=True)``. Positions come from ``position_ids`` (they
 restart at 0 for every sample), so no sample ever sees another one.
 
@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from evenflow.engine._model import SampleMetadata
+from evenflow.engine._pipeline.pack import IGNORE_INDEX
 from evenflow.engine._validate import check_int
+from evenflow.engine.errors import ConfigError
 
 __all__ = [
     "TinyCausalLM",
@@ -61,8 +63,6 @@ class TinyConfig:
         check_int("TinyConfig.intermediate_size", self.intermediate_size, minimum=1)
         check_int("TinyConfig.max_positions", self.max_positions, minimum=1)
         if self.hidden_size % self.num_heads:
-            from evenflow.engine.errors import ConfigError
-
             raise ConfigError(
                 f"TinyConfig.hidden_size={self.hidden_size!r} must be a multiple of "
                 f"num_heads={self.num_heads!r}; change either."
@@ -120,9 +120,9 @@ class _Block(nn.Module):
 class TinyCausalLM(nn.Module):
     """A small decoder-only LM over one packed sequence at a time.
 
-    ``forward(input_ids, position_ids, cu_seqlens)`` takes the tensors of
-    :func:`~evenflow.engine.default_pack_fn` (1-D ``[T]``, ``[T]`` and ``[k + 1]``) and returns
-    logits ``[T, vocab_size]``; attention never crosses a ``cu_seqlens`` boundary.
+    ``forward(input_ids, position_ids, cu_seq_lens_q)`` takes the tensors of
+    :func:`~evenflow.engine.default_pack_fn` (``[1, T]``, ``[1, T]`` and ``[k + 1]``) and
+    returns logits ``[T, vocab_size]``; attention never crosses a ``cu_seq_lens_q`` boundary.
     """
 
     def __init__(self, config: TinyConfig) -> None:
@@ -136,9 +136,15 @@ class TinyCausalLM(nn.Module):
         nn.init.normal_(self.positions.weight, std=0.02)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seq_lens_q: torch.Tensor
     ) -> torch.Tensor:
-        lengths = torch.diff(cu_seqlens).tolist()
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError(
+                f"input_ids must be one packed row [1, T], but got shape "
+                f"{tuple(input_ids.shape)!r}; pass the tensors of default_pack_fn."
+            )
+        input_ids, position_ids = input_ids[0], position_ids.reshape(-1)
+        lengths = torch.diff(cu_seq_lens_q).tolist()
         if int(position_ids.max()) >= self.config.max_positions:
             raise ValueError(
                 f"position_ids reach {int(position_ids.max())}, but the model has "
@@ -151,18 +157,18 @@ class TinyCausalLM(nn.Module):
         return F.linear(self.norm(x), self.embed.weight)
 
 
-def packed_loss(logits: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> Any:
-    """Mean next-token cross-entropy within each sample of a packed sequence.
+def packed_loss(logits: torch.Tensor, labels: torch.Tensor) -> Any:
+    """Mean next-token cross-entropy of a packed sequence, the way Hugging Face computes it.
 
-    The target of position ``i`` is token ``i + 1`` of the same sample; the last position of
-    every sample has no target (predicting across a boundary would leak the next sample).
+    ``labels`` (``[1, T]`` or ``[T]``) are shifted by one: position ``i`` predicts label
+    ``i + 1``, and labels of -100 are skipped. The packed labels hold -100 at every sample's
+    first position, so the last position of a sample never predicts the next sample.
     """
-    targets = torch.roll(input_ids.long(), -1)
-    keep = torch.ones_like(targets, dtype=torch.bool)
-    keep[cu_seqlens[1:].long() - 1] = False
+    targets = labels.reshape(-1)[1:].long()
+    keep = targets != IGNORE_INDEX
     if not bool(keep.any()):  # only one-token samples: nothing to predict, zero loss
         return logits.sum() * 0.0
-    return F.cross_entropy(logits[keep], targets[keep])
+    return F.cross_entropy(logits[:-1][keep], targets[keep])
 
 
 def time_per_sample(model: TinyCausalLM, seq_len: int, lengths: Sequence[int]) -> list[float]:
@@ -182,11 +188,12 @@ def time_per_sample(model: TinyCausalLM, seq_len: int, lengths: Sequence[int]) -
 
     def one(length: int) -> float:
         count = seq_len // length
-        ids = torch.randint(0, model.config.vocab_size, (count * length,), generator=generator)
-        positions = torch.arange(length).repeat(count)
+        ids = torch.randint(0, model.config.vocab_size, (1, count * length), generator=generator)
+        positions = torch.arange(length).repeat(count)[None]
         cu = torch.arange(0, count * length + 1, length, dtype=torch.int32)
+        labels = ids.masked_fill(positions == 0, IGNORE_INDEX)
         start = time.perf_counter()
-        packed_loss(model(ids, positions, cu), ids, cu).backward()
+        packed_loss(model(ids, positions, cu), labels).backward()
         elapsed = time.perf_counter() - start
         model.zero_grad(set_to_none=True)
         return elapsed / count

@@ -37,9 +37,30 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from evenflow.engine._config import LoaderConfig
+from evenflow.engine._pipeline.loader import BalancedLoader
+from evenflow.engine._planning.cost import QuadraticCost, TokenCost
+from evenflow.engine._planning.flops import FlopsCost
+from evenflow.engine._tools.demo.model import (
+    MeasuredCost,
+    TinyCausalLM,
+    TinyConfig,
+    packed_loss,
+    time_per_sample,
+)
+from evenflow.engine._tools.demo.report import build_report, format_report, write_outputs
+from evenflow.engine._tracing import Tracer
 from evenflow.engine._validate import check_choice, check_int, check_number
 from evenflow.engine.errors import ConfigError
-from evenflow.engine.workloads import DISTRIBUTIONS, LengthMixture, LogNormal, LogUniform
+from evenflow.engine.workloads import (
+    DISTRIBUTIONS,
+    LengthMixture,
+    LogNormal,
+    LogUniform,
+    step_source,
+)
+from evenflow.transports._gloo import GlooTransport
+from evenflow.transports.launch import LaunchError, RankFailedError, run_ranks
 
 __all__ = ["main", "scaled_distribution", "stdlib_source"]
 
@@ -153,9 +174,6 @@ def _progress(runs: dict[str, _Run], total: int) -> None:
 
 
 def _cost_model(spec: dict[str, Any], model: Any, config: Any) -> tuple[Any, dict[str, Any]]:
-    from evenflow.engine._planning.cost import QuadraticCost, TokenCost
-    from evenflow.engine._planning.flops import FlopsCost
-    from evenflow.engine._tools.demo.model import MeasuredCost, time_per_sample
 
     name = spec["cost_model"]
     if name == "tokens":
@@ -186,7 +204,6 @@ def _cost_model(spec: dict[str, Any], model: Any, config: Any) -> tuple[Any, dic
 
 
 def _source(spec: dict[str, Any], rank: int, num_ranks: int) -> Iterator[Any]:
-    from evenflow.engine.workloads import step_source
 
     if spec["data"] == "stdlib":
         return stdlib_source(
@@ -224,11 +241,6 @@ class _Run:
 
         import torch
 
-        from evenflow.engine._config import LoaderConfig
-        from evenflow.engine._pipeline.loader import BalancedLoader
-        from evenflow.engine._tracing.tracer import Tracer
-        from evenflow.transports._gloo import GlooTransport
-
         self.name = name
         self.rank = rank
         self.num_ranks = num_ranks
@@ -265,8 +277,6 @@ class _Run:
         import torch
         import torch.distributed as dist
 
-        from evenflow.engine._tools.demo.model import packed_loss
-
         step = len(self.steps)
         started = time.perf_counter()
         batch = next(self.iterator, None)
@@ -275,12 +285,14 @@ class _Run:
         t0 = time.perf_counter()
         loss_sum, tokens, samples = 0.0, 0, 0
         for packed in batch:
-            logits = self.model(packed["input_ids"], packed["position_ids"], packed["cu_seqlens"])
-            loss = packed_loss(logits, packed["input_ids"], packed["cu_seqlens"])
+            logits = self.model(
+                packed["input_ids"], packed["position_ids"], packed["cu_seq_lens_q"]
+            )
+            loss = packed_loss(logits, packed["labels"])
             (loss / len(batch)).backward()
             loss_sum += loss.item()
             tokens += int(packed["input_ids"].numel())
-            samples += int(packed["cu_seqlens"].numel()) - 1
+            samples += int(packed["cu_seq_lens_q"].numel()) - 1
         t1 = time.perf_counter()
         # DDP-style: one flat all-reduce of every gradient over the training group. It also
         # waits for the slowest rank, which is what balancing shortens.
@@ -341,8 +353,6 @@ class _Run:
 def _rank_main(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Body of one rank (runs in a spawned process; arguments and result are plain data)."""
     import torch
-
-    from evenflow.engine._tools.demo.model import TinyCausalLM, TinyConfig
 
     torch.set_num_threads(spec["threads_per_rank"])
     torch.manual_seed(spec["seed"])  # the same initial weights on every rank, as DDP needs
@@ -475,8 +485,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow demo") -> int:
     except ConfigError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    from evenflow.engine._tools.demo.report import build_report, format_report, write_outputs
-    from evenflow.transports.launch import LaunchError, RankFailedError, run_ranks
 
     out = Path(args.out).resolve()
     spec = {
