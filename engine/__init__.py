@@ -22,16 +22,12 @@ if TYPE_CHECKING:
         default_pack_fn,
     )
     from evenflow.engine._pipeline.stats import StepStats
-    from evenflow.engine._planning.algorithms import (
-        BalanceProblem,
-        BalancingAlgorithm,
-        FlatLayout,
-        LPTAlgorithm,
-        RefineAlgorithm,
-    )
     from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
     from evenflow.engine._planning.flops import FlopsCost
+    from evenflow.engine._planning.lpt import LPTAlgorithm
     from evenflow.engine._planning.planner import Planner
+    from evenflow.engine._planning.problem import BalanceProblem, BalancingAlgorithm, FlatLayout
+    from evenflow.engine._planning.refine import RefineAlgorithm
     from evenflow.engine._sources._common import IndexedSample, SourceReport
     from evenflow.engine._sources.dataset import DatasetSource
     from evenflow.engine._sources.iterable import IterableSource
@@ -47,11 +43,11 @@ _LAZY: dict[str, str] = {
     "ComponentCost": "evenflow.engine._planning.cost",
     "FlopsCost": "evenflow.engine._planning.flops",
     # balancing
-    "BalancingAlgorithm": "evenflow.engine._planning.algorithms",
-    "BalanceProblem": "evenflow.engine._planning.algorithms",
-    "FlatLayout": "evenflow.engine._planning.algorithms",
-    "LPTAlgorithm": "evenflow.engine._planning.algorithms",
-    "RefineAlgorithm": "evenflow.engine._planning.algorithms",
+    "BalancingAlgorithm": "evenflow.engine._planning.problem",
+    "BalanceProblem": "evenflow.engine._planning.problem",
+    "FlatLayout": "evenflow.engine._planning.problem",
+    "LPTAlgorithm": "evenflow.engine._planning.lpt",
+    "RefineAlgorithm": "evenflow.engine._planning.refine",
     "Planner": "evenflow.engine._planning.planner",
     # pipeline
     "LoaderConfig": "evenflow.engine._config",

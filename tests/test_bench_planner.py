@@ -195,14 +195,7 @@ def test_exact_solver_pairs_single_sample_bins() -> None:
     assert optimum == pytest.approx(5.0)
 
 
-def test_core_name_says_which_implementation_is_timed(monkeypatch: pytest.MonkeyPatch) -> None:
-    from evenflow.engine._planning import algorithms as _algorithms
+def test_core_name_says_which_implementation_is_timed() -> None:
+    from evenflow.engine._planning import native
 
-    monkeypatch.setattr(_algorithms, "_use_native", False)
-    expected_off = "python" if _algorithms._native is None else "python (compiled core"
-    assert _bench_planner._core_name().startswith(expected_off)
-    monkeypatch.setattr(_algorithms, "_use_native", True)
-    if _algorithms._native is not None:
-        assert _bench_planner._core_name() == "compiled"
-    monkeypatch.setattr(_algorithms, "_native", None)
-    assert _bench_planner._core_name() == "python (the compiled extension is not built)"
+    assert _bench_planner._core_name() == f"compiled (core version {native.CORE_VERSION})"

@@ -34,7 +34,7 @@ from testkit.loaders import (
 )
 
 from evenflow.engine import BalancedLoader, LoaderConfig
-from evenflow.engine._planning.algorithms import LPTAlgorithm
+from evenflow.engine._planning.lpt import LPTAlgorithm
 from evenflow.engine.errors import (
     ConfigError,
     PeerFailureError,

@@ -10,9 +10,9 @@ import pytest
 
 from evenflow.engine._model import SampleKey, SampleMetadata
 from evenflow.engine._plan import plan_digest
-from evenflow.engine._planning.algorithms import BalanceProblem
 from evenflow.engine._planning.cost import ComponentCost
 from evenflow.engine._planning.planner import Planner
+from evenflow.engine._planning.problem import BalanceProblem
 from evenflow.engine.errors import ConfigError, PlanningError
 
 Samples = list[tuple[SampleKey, SampleMetadata]]

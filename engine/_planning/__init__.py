@@ -1,7 +1,9 @@
 """Planning: from a gathered step to a new layout of its samples.
 
 The planner (``planner``) validates a step, prices its samples with a cost model (``cost``,
-``flops``), runs a balancing algorithm (``algorithms``: the contract and the reference greedy;
-``refine``: the default local search) against an objective (``objectives``) and gates the result
-against the source layout. Nothing here touches a transport or the event loop.
+``flops``), runs a balancing algorithm (``registry``; ``problem``: the contract; ``lpt``: the
+reference greedy; ``refine`` and ``search``: the default local search) against an objective
+(``objectives``) and gates the result against the source layout. The greedy and the search run
+in the compiled core, reached only through ``native``. Nothing here touches a transport or the
+event loop.
 """

@@ -1,19 +1,23 @@
 /*
- * Compiled inner loops of the planner: the reference greedy without packing budgets
- * (lpt_assign in _algorithms.py) and the default algorithm's local search (_refine.py).
+ * The planner's compiled core: the reference greedy (lpt_assign in lpt.py) and the default
+ * algorithm's local search (RefineAlgorithm in refine.py), with and without packing budgets.
  *
- * The Python code is the specification; this is the same computation, for speed only (the
- * greedy ~40x, a search attempt ~20x fewer cycles). Both must produce identical layouts: the
- * tests compare them on random problems, ties included, and every rank of a group may run
- * either one. Floats are IEEE doubles combined in the same order as the Python and numpy
- * expressions, and the module is compiled without floating-point contraction, so results
- * agree bit for bit.
+ * This is the only production implementation of both; native.py is the one place Python
+ * calls it. The slow reference in tests/oracles/planning.py (vectorised numpy, the former
+ * Python implementation) specifies the same computation, and the tests hold the two to
+ * identical layouts on random problems, ties included. Floats are IEEE doubles combined in
+ * the same order as the oracle's expressions, and the module is compiled without
+ * floating-point contraction, so results agree bit for bit.
  *
- * Greedy rule, per sample in the given order: among ranks that have a bin with room for the
- * sample, take the lowest load; ranks tied on that load compare (capacity left after
- * insertion, rank tokens, rank); inside the rank the fullest bin with room wins (first bin on
- * ties). A rank whose emptiest bin cannot take the sample is parked (bins only fill up, so
- * it stays infeasible) until a sample short enough for that bin comes.
+ * CORE_VERSION enters the planner's identity, so a group whose ranks would plan differently
+ * is refused before its first step: bump it with every change that can change a plan.
+ *
+ * Greedy rule, per sample in the given order: among ranks that have a bin with room (and
+ * budget) for the sample, take the lowest load; ranks tied on that load compare (capacity
+ * left after insertion, rank tokens, rank); inside the rank the fullest bin that fits wins
+ * (first bin on ties). A rank whose emptiest bin cannot take the sample's tokens is parked
+ * (bins only fill up, so it stays infeasible) until a sample short enough for that bin
+ * comes; a rank that has token room but no budget room sits out this one sample only.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -21,6 +25,8 @@
 #include <stdlib.h>
 #include <math.h>
 #include <string.h>
+
+#define CORE_VERSION 1
 
 typedef struct {
     int64_t *ids;
@@ -101,6 +107,31 @@ static inline Py_ssize_t best_slot(const int64_t *fills, Py_ssize_t per, int64_t
     return slot;
 }
 
+/* Whether a sample with budget footprint `row` fits a bin whose sums are `sums`. */
+static inline int budget_fits(const double *sums, const double *row, const double *limits,
+                              Py_ssize_t nbud) {
+    for (Py_ssize_t k = 0; k < nbud; k++) {
+        if (!(sums[k] + row[k] <= limits[k])) return 0;
+    }
+    return 1;
+}
+
+/* best_slot that also needs the bin's budget sums (per * nbud, bin-major) to take `row`. */
+static inline Py_ssize_t best_slot_budgets(const int64_t *fills, const double *sums,
+                                           const double *row, const double *limits,
+                                           Py_ssize_t nbud, Py_ssize_t per, int64_t limit) {
+    int64_t fill = -1;
+    Py_ssize_t slot = -1;
+    for (Py_ssize_t p = 0; p < per; p++) {
+        int64_t v = fills[p];
+        if (v <= limit && v > fill && budget_fits(sums + p * nbud, row, limits, nbud)) {
+            fill = v;
+            slot = p;
+        }
+    }
+    return slot;
+}
+
 static inline int64_t emptiest(const int64_t *fills, Py_ssize_t per) {
     int64_t low = fills[0];
     for (Py_ssize_t p = 1; p < per; p++) {
@@ -118,6 +149,14 @@ static int check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssiz
     return 0;
 }
 
+/* Packing budgets as the greedy sees them: nbud == 0 means none (the other fields unused). */
+typedef struct {
+    Py_ssize_t nbud;
+    const double *limits;   /* nbud */
+    const double *rows;     /* m * nbud: the remaining samples' footprints, placement order */
+    double *sums;           /* nb * nbud: each bin's sums, updated in place */
+} budgets_t;
+
 /*
  * Phase 2 on plain arrays. load (R), rank_tokens (R) and bin_tokens (R * per) are the state
  * after phase 1, updated in place; tokens and costs (m) are the remaining samples in
@@ -125,93 +164,111 @@ static int check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssiz
  * Returns 0 on a dead end (a sample fits no bin). Runs without the GIL.
  */
 static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
-                      const int64_t *tokens, const double *costs, int64_t *out, Py_ssize_t ranks,
-                      Py_ssize_t per, Py_ssize_t m, int64_t seq_len, int64_t *ids) {
+                      const int64_t *tokens, const double *costs, const budgets_t *bud,
+                      int64_t *out, Py_ssize_t ranks, Py_ssize_t per, Py_ssize_t m,
+                      int64_t seq_len, int64_t *ids) {
     heap_t heap = {ids, 0};
     heap_t park = {ids + ranks, 0};
     int64_t *room = ids + 2 * ranks;
-    int64_t *tied = ids + 3 * ranks;
+    /* Ranks off the heap for this sample only: tied ranks that lost, and ranks whose bins
+       have token room but no budget room. Each rank is in the list at most once. */
+    int64_t *aside = ids + 3 * ranks;
+    Py_ssize_t nbud = bud->nbud;
     for (Py_ssize_t r = 0; r < ranks; r++) loads_push(&heap, load, r);
     for (Py_ssize_t i = 0; i < m; i++) {
         int64_t t = tokens[i];
         int64_t limit = seq_len - t;
+        const double *row = nbud ? bud->rows + i * nbud : NULL;
         while (park.size > 0 && room[park.ids[0]] >= t) {
             int64_t r = parked_pop(&park, room);
             loads_push(&heap, load, r);
         }
         int64_t chosen = -1;
         Py_ssize_t chosen_slot = -1;
-        while (heap.size > 0) {
-            int64_t r = loads_pop(&heap, load);
-            Py_ssize_t slot = best_slot(bin_tokens + r * per, per, limit);
-            if (slot < 0) {
-                room[r] = seq_len - emptiest(bin_tokens + r * per, per);
-                parked_push(&park, room, r);
+        Py_ssize_t naside = 0;
+        int tie = 0; /* set once the lowest feasible load is found: its ties follow */
+        double level = 0.0;
+        while (heap.size > 0 && (!tie || load[heap.ids[0]] == level)) {
+            int64_t q = loads_pop(&heap, load);
+            const int64_t *fills = bin_tokens + q * per;
+            Py_ssize_t qs = nbud ? best_slot_budgets(fills, bud->sums + q * per * nbud, row,
+                                                     bud->limits, nbud, per, limit)
+                                 : best_slot(fills, per, limit);
+            if (qs < 0) {
+                int64_t low = emptiest(fills, per);
+                if (low > limit) {
+                    room[q] = seq_len - low;
+                    parked_push(&park, room, q);
+                } else {
+                    aside[naside++] = q; /* tokens fit, a budget does not */
+                }
                 continue;
             }
-            /* Ranks tied on this load: the smallest (room left, rank tokens, rank) wins. */
-            double level = load[r];
-            Py_ssize_t ntied = 0;
-            chosen = r;
-            chosen_slot = slot;
-            while (heap.size > 0 && load[heap.ids[0]] == level) {
-                int64_t q = loads_pop(&heap, load);
-                Py_ssize_t qs = best_slot(bin_tokens + q * per, per, limit);
-                if (qs < 0) {
-                    room[q] = seq_len - emptiest(bin_tokens + q * per, per);
-                    parked_push(&park, room, q);
-                    continue;
-                }
-                int64_t left_q = limit - bin_tokens[q * per + qs];
-                int64_t left_c = limit - bin_tokens[chosen * per + chosen_slot];
-                /* Ranks leave the heap in ascending order, so q > chosen on a full tie. */
-                if (left_q < left_c ||
-                    (left_q == left_c && rank_tokens[q] < rank_tokens[chosen])) {
-                    tied[ntied++] = chosen;
-                    chosen = q;
-                    chosen_slot = qs;
-                } else {
-                    tied[ntied++] = q;
-                }
+            if (!tie) {
+                tie = 1;
+                level = load[q];
+                chosen = q;
+                chosen_slot = qs;
+                continue;
             }
-            for (Py_ssize_t k = 0; k < ntied; k++) loads_push(&heap, load, tied[k]);
-            break;
+            /* Ranks tied on this load: the smallest (room left, rank tokens, rank) wins.
+               Ranks leave the heap in ascending order, so q > chosen on a full tie. */
+            int64_t left_q = limit - fills[qs];
+            int64_t left_c = limit - bin_tokens[chosen * per + chosen_slot];
+            if (left_q < left_c || (left_q == left_c && rank_tokens[q] < rank_tokens[chosen])) {
+                aside[naside++] = chosen;
+                chosen = q;
+                chosen_slot = qs;
+            } else {
+                aside[naside++] = q;
+            }
         }
-        if (chosen < 0) return 0; /* every rank is parked: no bin can take the sample */
-        bin_tokens[chosen * per + chosen_slot] += t;
+        if (chosen < 0) return 0; /* every rank is parked or out of budget: a dead end */
+        for (Py_ssize_t k = 0; k < naside; k++) loads_push(&heap, load, aside[k]);
+        Py_ssize_t b = chosen * per + chosen_slot;
+        bin_tokens[b] += t;
+        if (nbud) {
+            double *acc = bud->sums + b * nbud;
+            for (Py_ssize_t k = 0; k < nbud; k++) acc[k] += row[k];
+        }
         rank_tokens[chosen] += t;
         load[chosen] = load[chosen] + costs[i];
-        out[i] = chosen * per + chosen_slot;
+        out[i] = b;
         loads_push(&heap, load, chosen);
     }
     return 1;
 }
 
 /*
- * lpt_plain(costs, tokens, order, out_flat, out_sizes, num_ranks, per_rank, seq_len) -> bool
+ * lpt(costs, tokens, budget_costs, limits, order, out_flat, out_sizes, num_ranks, per_rank,
+ *     seq_len) -> bool
  *
- * The whole greedy without budgets (lpt_assign in _algorithms.py): order is the placement
- * order (np.lexsort((-tokens, -costs))), at least num_ranks * per_rank samples long. The
- * layout goes to (out_flat, out_sizes), bin by bin, each bin's samples in placement order.
- * Returns False on a dead end.
+ * The whole greedy (lpt_assign in lpt.py): order is the placement order
+ * (np.lexsort((-tokens, -costs))), at least num_ranks * per_rank samples long;
+ * budget_costs is the samples' budget footprints (num_samples x len(limits), row-major) and
+ * limits the packing budgets (empty for none). The layout goes to (out_flat, out_sizes),
+ * bin by bin, each bin's samples in placement order. Returns False on a dead end.
  */
-static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer cost_b, tok_b, order_b, of_b, os_b;
+static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer cost_b, tok_b, bud_b, lim_b, order_b, of_b, os_b;
     Py_ssize_t ranks, per, seq_len;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*w*nnn", &cost_b, &tok_b, &order_b, &of_b, &os_b,
-                          &ranks, &per, &seq_len)) {
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*nnn", &cost_b, &tok_b, &bud_b, &lim_b, &order_b,
+                          &of_b, &os_b, &ranks, &per, &seq_len)) {
         return NULL;
     }
     PyObject *result = NULL;
     void *block = NULL;
+    double *bud_block = NULL;
     Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nbud = lim_b.len / (Py_ssize_t)sizeof(double);
     /* ranks * per is checked before it is formed: a wrapped product would pass n >= nb. */
     if (per < 1 || ranks < 1 || per > PY_SSIZE_T_MAX / ranks || n < ranks * per) {
-        PyErr_SetString(PyExc_ValueError, "lpt_plain: need ranks, per_rank >= 1 and a sample per bin");
+        PyErr_SetString(PyExc_ValueError, "lpt: need ranks, per_rank >= 1 and a sample per bin");
         goto done;
     }
     Py_ssize_t nb = ranks * per;
     if (check(&tok_b, "tokens", sizeof(int64_t), n) ||
+        check(&bud_b, "budget_costs", sizeof(double), n * nbud) ||
         check(&order_b, "order", sizeof(int64_t), n) ||
         check(&of_b, "out_flat", sizeof(int64_t), n) ||
         check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
@@ -220,7 +277,7 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
     const int64_t *order_check = (const int64_t *)order_b.buf;
     for (Py_ssize_t k = 0; k < n; k++) {
         if (order_check[k] < 0 || order_check[k] >= n) {
-            PyErr_SetString(PyExc_ValueError, "lpt_plain: order holds an index outside the samples");
+            PyErr_SetString(PyExc_ValueError, "lpt: order holds an index outside the samples");
             goto done;
         }
     }
@@ -228,12 +285,15 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
     /* load, rank tokens, opened, heap (R each); bin fills, first sample (nb each); rest
        tokens, costs, destinations (m each); 4 R of phase-2 scratch. */
     block = malloc(sizeof(int64_t) * (size_t)(8 * ranks + 2 * nb + 3 * m + 1));
-    if (block == NULL) {
+    /* Budget sums per bin (nb rows) and the remaining samples' rows (m rows). */
+    bud_block = nbud ? (double *)malloc(sizeof(double) * (size_t)((nb + m) * nbud)) : NULL;
+    if (block == NULL || (nbud && bud_block == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
     const double *costs = (const double *)cost_b.buf;
     const int64_t *tokens = (const int64_t *)tok_b.buf;
+    const double *bud_rows = (const double *)bud_b.buf;
     const int64_t *order = (const int64_t *)order_b.buf;
     int64_t *out_flat = (int64_t *)of_b.buf, *out_sizes = (int64_t *)os_b.buf;
     double *load = (double *)block;
@@ -246,11 +306,15 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
     double *rest_cost = (double *)(rest_tok + m);
     int64_t *dest = (int64_t *)(rest_cost + m);
     int64_t *scratch = dest + m;
+    budgets_t bud = {nbud, (const double *)lim_b.buf, bud_block + (nbud ? nb * nbud : 0),
+                     bud_block};
     int ok = 1;
 
     Py_BEGIN_ALLOW_THREADS
     /* Phase 1: the first nb samples each open the first empty bin of the rank minimising
-       (load, rank tokens, rank); a rank with no empty bin left waits for phase 2. */
+       (load, rank tokens, rank); a rank with no empty bin left waits for phase 2. Budgets
+       play no part: an empty bin takes any sample (the source layout is feasible, so each
+       sample alone is). */
     heap_t heap = {hids, 0};
     const opening_t key = {load, rtok};
     for (Py_ssize_t r = 0; r < ranks; r++) {
@@ -265,6 +329,8 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
         int64_t p = opened[r]++;
         opener[r * per + p] = i;
         fills[r * per + p] = tokens[i];
+        if (nbud) memcpy(bud.sums + (r * per + p) * nbud, bud_rows + i * nbud,
+                         sizeof(double) * (size_t)nbud);
         load[r] = load[r] + costs[i];
         rtok[r] += tokens[i] < seq_len ? tokens[i] : seq_len;
         if (p + 1 < per) openings_push(&heap, &key, r);
@@ -273,9 +339,11 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
         int64_t i = order[nb + k];
         rest_tok[k] = tokens[i];
         rest_cost[k] = costs[i];
+        if (nbud) memcpy(bud_block + (nb + k) * nbud, bud_rows + i * nbud,
+                         sizeof(double) * (size_t)nbud);
         if (tokens[i] > seq_len) ok = 0; /* an oversized sample needs an empty bin */
     }
-    if (ok) ok = place_core(load, rtok, fills, rest_tok, rest_cost, dest, ranks, per, m,
+    if (ok) ok = place_core(load, rtok, fills, rest_tok, rest_cost, &bud, dest, ranks, per, m,
                             (int64_t)seq_len, scratch);
     if (ok) {
         /* Bin b: its opener, then its phase-2 samples in placement order. */
@@ -294,8 +362,11 @@ static PyObject *lpt_plain(PyObject *Py_UNUSED(self), PyObject *args) {
 
 done:
     free(block);
+    free(bud_block);
     PyBuffer_Release(&cost_b);
     PyBuffer_Release(&tok_b);
+    PyBuffer_Release(&bud_b);
+    PyBuffer_Release(&lim_b);
     PyBuffer_Release(&order_b);
     PyBuffer_Release(&of_b);
     PyBuffer_Release(&os_b);
@@ -303,14 +374,14 @@ done:
 }
 
 /* ============================================================================================
- * The default algorithm's local search (_refine._Search.run) without packing budgets.
+ * The default algorithm's local search (driven by search.py), with or without budgets.
  *
- * _refine.py is the specification; this is the same search, family by family and candidate
- * by candidate, for speed only (an attempt costs microseconds here, hundreds of them in
- * numpy). Each comparison and float operation follows the numpy expression it replaces, in
- * the same order, so both produce identical layouts (the tests compare them). Candidate
- * matrices are walked in row-major order and a candidate replaces the best only when its
- * score is strictly lower, as numpy's argmin returns the first minimum.
+ * The oracle (tests/oracles/planning.py, OracleSearch) states each family as whole-array
+ * numpy expressions; this is the same search, family by family and candidate by candidate
+ * (an attempt costs microseconds here, hundreds of them there). Each comparison and float
+ * operation follows the oracle's expression, in the same order, so both produce identical
+ * layouts. Candidate matrices are walked in row-major order and a candidate replaces the
+ * best only when its score is strictly lower, as numpy's argmin returns the first minimum.
  * ========================================================================================== */
 
 #define NEAR_TARGETS 4
@@ -348,6 +419,11 @@ typedef struct {
     /* scratch: one entry per rank (rooms: ranks * per) */
     int64_t *rooms, *first, *second, *best_k, *begin, *size, *pos, *order;
     unsigned char *stuck;
+    /* packing budgets: nbud == 0 means none. bud is n x nbud, bin_bud nb x nbud (updated in
+       place), run (n + 1) x nbud scratch for the exchange's prefix sums. */
+    Py_ssize_t nbud;
+    const double *bud, *limits;
+    double *bin_bud, *run;
 } search_t;
 
 static int vec_push(vec_t *vec, int64_t value) {
@@ -386,6 +462,64 @@ static Py_ssize_t rank_samples(const search_t *s, int64_t r, int64_t *out) {
         m += s->members[b].n;
     }
     return m;
+}
+
+/*
+ * Sum of budget column k over a bin's members, rounded as numpy's
+ * ``bud[members].sum(axis=0)`` rounds it: with one budget the column is contiguous and numpy
+ * sums it pairwise (blocks of eight partial sums, halves above 128 values); with several it
+ * adds row after row.
+ */
+static double pairwise_column(const search_t *s, const int64_t *ids, Py_ssize_t n,
+                              Py_ssize_t k) {
+    const double *bud = s->bud;
+    Py_ssize_t K = s->nbud;
+    if (n < 8) {
+        double res = -0.0;
+        for (Py_ssize_t i = 0; i < n; i++) res += bud[ids[i] * K + k];
+        return res;
+    }
+    if (n <= 128) {
+        double r[8];
+        for (int j = 0; j < 8; j++) r[j] = bud[ids[j] * K + k];
+        Py_ssize_t i = 8;
+        for (; i < n - (n % 8); i += 8) {
+            for (int j = 0; j < 8; j++) r[j] += bud[ids[i + j] * K + k];
+        }
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += bud[ids[i] * K + k];
+        return res;
+    }
+    Py_ssize_t half = n / 2;
+    half -= half % 8;
+    return pairwise_column(s, ids, half, k) + pairwise_column(s, ids + half, n - half, k);
+}
+
+/* Bin b's budget sums afresh from its members (what the oracle's _refresh_budgets does). */
+static void refresh_budgets(search_t *s, int64_t b) {
+    Py_ssize_t K = s->nbud;
+    if (K == 0) return;
+    const vec_t *members = &s->members[b];
+    double *out = s->bin_bud + b * K;
+    if (K == 1) {
+        out[0] = 0.0 + pairwise_column(s, members->v, members->n, 0);
+        return;
+    }
+    for (Py_ssize_t k = 0; k < K; k++) out[k] = 0.0;
+    for (Py_ssize_t j = 0; j < members->n; j++) {
+        const double *row = s->bud + members->v[j] * K;
+        for (Py_ssize_t k = 0; k < K; k++) out[k] += row[k];
+    }
+}
+
+/* Whether every budget holds for sums (base - out) + in, term by term (NULL: no term). */
+static inline int budgets_hold(const search_t *s, const double *base, const double *out,
+                               const double *in) {
+    for (Py_ssize_t k = 0; k < s->nbud; k++) {
+        double v = out ? base[k] - out[k] : base[k];
+        if (!(v + in[k] <= s->limits[k])) return 0;
+    }
+    return 1;
 }
 
 static int relocate(search_t *s, int64_t i, int64_t src, int64_t dst) {
@@ -509,6 +643,9 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
                 for (Py_ssize_t p = 0; p < per; p++) {
                     int64_t y = targets[t] * per + p;
                     if (!(th <= s->seq_len - s->bin_tok[y] && ch < (top - yload) - tol)) continue;
+                    if (s->nbud &&
+                        !budgets_hold(s, s->bin_bud + y * s->nbud, NULL, s->bud + hi[h] * s->nbud))
+                        continue;
                     double score = dmax(top - ch, yload + ch);
                     if (br < 0 || score < best_score) {
                         best_score = score;
@@ -522,7 +659,7 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
             best->kind = MOVE;
             best->a = hi[br];
             best->b = by;
-        } else if (shift && per > 1) {
+        } else if (shift && per > 1 && s->nbud == 0) {
             best_score = move_with_room(s, hi, nm, targets, nt, tol, best);
         }
     }
@@ -690,6 +827,16 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
             double delta = ch - cl[k];
             if (!(delta > tol && delta < (top - lload) - tol)) continue;
             if (!(tl[k] <= room_x && th <= room_y[k])) continue;
+            if (s->nbud) {
+                /* x keeps (sums - i) + j unless i is alone there; y (sums - j) + i likewise. */
+                Py_ssize_t K = s->nbud;
+                int64_t j = light[k], yl = s->bin_of[j];
+                const double *bi_row = s->bud + i * K, *bj_row = s->bud + j * K;
+                if (s->bin_cnt[xh] != 1 && !budgets_hold(s, s->bin_bud + xh * K, bi_row, bj_row))
+                    continue;
+                if (s->bin_cnt[yl] != 1 && !budgets_hold(s, s->bin_bud + yl * K, bj_row, bi_row))
+                    continue;
+            }
             double score = dmax(top - delta, lload + delta);
             if (bi < 0 || score < best_score) {
                 best_score = score;
@@ -714,6 +861,21 @@ static inline Py_ssize_t search_sorted(const int64_t *tp, Py_ssize_t len, int64_
         else hi = mid;
     }
     return lo;
+}
+
+/* Budgets of exchanging sample i (bin x) for the sorted partners [start, end) of bin y:
+   x keeps (sums - i) + run and y (sums - run) + i, run being the partners' budget sums. */
+static int exchange_budgets_hold(const search_t *s, int64_t i, int64_t y, Py_ssize_t start,
+                                 Py_ssize_t end) {
+    Py_ssize_t K = s->nbud;
+    const double *bi_row = s->bud + i * K;
+    const double *x_sums = s->bin_bud + s->bin_of[i] * K, *y_sums = s->bin_bud + y * K;
+    for (Py_ssize_t k = 0; k < K; k++) {
+        double run_k = s->run[end * K + k] - s->run[start * K + k];
+        if (!((x_sums[k] - bi_row[k]) + run_k <= s->limits[k])) return 0;
+        if (!((y_sums[k] - run_k) + bi_row[k] <= s->limits[k])) return 0;
+    }
+    return 1;
 }
 
 /* _exchange */
@@ -747,6 +909,16 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
     for (Py_ssize_t k = 0; k < m; k++) {
         tp[k + 1] = tp[k] + s->tok[light[k]];
         cp[k + 1] = cp[k] + s->cost[light[k]];
+    }
+    Py_ssize_t K = s->nbud;
+    double *run = s->run;
+    if (K) {
+        /* np.cumsum over the sorted partners, column by column, after a zero row. */
+        for (Py_ssize_t k = 0; k < K; k++) run[k] = 0.0;
+        for (Py_ssize_t j = 0; j < m; j++) {
+            const double *row = s->bud + light[j] * K;
+            for (Py_ssize_t k = 0; k < K; k++) run[(j + 1) * K + k] = run[j * K + k] + row[k];
+        }
     }
     for (Py_ssize_t k = m - 1; k >= 0; k--) {
         int last = k == m - 1 || s->bin_of[light[k + 1]] != s->bin_of[light[k]];
@@ -793,6 +965,7 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
                 double gap = gap_of[k];
                 double delta = ch - (cp[end] - cp[k]);
                 if (!(delta > tol && delta < gap - tol)) continue;
+                if (K && !exchange_budgets_hold(s, i, s->bin_of[light[k]], k, end)) continue;
                 double score = dmax(top - delta, (top - gap) + delta);
                 if (prow < 0 || score < pass_score) {
                     pass_score = score;
@@ -824,9 +997,12 @@ static int64_t apply_change(search_t *s, const change_t *c) {
     switch (c->kind) {
     case MOVE:
         y = c->b;
-        if (relocate(s, c->a, s->bin_of[c->a], y) < 0) return -2;
+        x = s->bin_of[c->a];
+        if (relocate(s, c->a, x, y) < 0) return -2;
+        refresh_budgets(s, x);
+        refresh_budgets(s, y);
         return y / per;
-    case SHIFT_MOVE:
+    case SHIFT_MOVE: /* never with budgets (cheap does not offer it then) */
         y = s->bin_of[c->b];
         if (relocate(s, c->b, y, c->c) < 0) return -2;
         if (relocate(s, c->a, s->bin_of[c->a], y) < 0) return -2;
@@ -835,6 +1011,8 @@ static int64_t apply_change(search_t *s, const change_t *c) {
         x = s->bin_of[c->a];
         y = s->bin_of[c->b];
         if (relocate(s, c->a, x, y) < 0 || relocate(s, c->b, y, x) < 0) return -2;
+        refresh_budgets(s, x);
+        refresh_budgets(s, y);
         return y / per;
     case EXCHANGE: {
         x = s->bin_of[c->a];
@@ -843,6 +1021,8 @@ static int64_t apply_change(search_t *s, const change_t *c) {
         for (int64_t k = c->b; k < c->c; k++) {
             if (relocate(s, s->xlight[k], y, x) < 0) return -2;
         }
+        refresh_budgets(s, x);
+        refresh_budgets(s, y);
         return y / per;
     }
     case BIN_SWAP: {
@@ -856,6 +1036,11 @@ static int64_t apply_change(search_t *s, const change_t *c) {
         int64_t ti = s->bin_tok[x]; s->bin_tok[x] = s->bin_tok[y]; s->bin_tok[y] = ti;
         ti = s->bin_cnt[x]; s->bin_cnt[x] = s->bin_cnt[y]; s->bin_cnt[y] = ti;
         double td = s->bin_cost[x]; s->bin_cost[x] = s->bin_cost[y]; s->bin_cost[y] = td;
+        for (Py_ssize_t k = 0; k < s->nbud; k++) {
+            td = s->bin_bud[x * s->nbud + k];
+            s->bin_bud[x * s->nbud + k] = s->bin_bud[y * s->nbud + k];
+            s->bin_bud[y * s->nbud + k] = td;
+        }
         double moved = s->bin_cost[y] - s->bin_cost[x];
         s->load[x / per] -= moved;
         s->load[y / per] += moved;
@@ -909,20 +1094,25 @@ static int64_t improve(search_t *s, int64_t a) {
 }
 
 /*
- * refine_search(cost, tok, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost, load, out_flat,
- *               out_sizes, per_rank, seq_len, budget, good_enough, sumsq) -> attempts
+ * refine_search(cost, tok, bud, limits, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost,
+ *               bin_bud, load, out_flat, out_sizes, per_rank, seq_len, budget, good_enough,
+ *               sumsq) -> attempts
  *
- * The start layout is (flat, sizes); bin_of .. load are _Search's state for it and are
- * updated in place; the final layout goes to (out_flat, out_sizes).
+ * bud is the samples' budget footprints (n x len(limits)), limits the packing budgets
+ * (empty for none). The start layout is (flat, sizes); bin_of .. load are the search state
+ * for it (search.py builds them) and are updated in place; the final layout goes to
+ * (out_flat, out_sizes).
  */
 static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer cost_b, tok_b, flat_b, sizes_b, bin_of_b, cnt_b, btok_b, bcost_b, load_b, of_b, os_b;
+    Py_buffer cost_b, tok_b, bud_b, lim_b, flat_b, sizes_b, bin_of_b, cnt_b, btok_b, bcost_b,
+        bbud_b, load_b, of_b, os_b;
     Py_ssize_t per, seq_len, budget;
     double good_enough;
     int sumsq;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*w*w*w*w*nnndp", &cost_b, &tok_b, &flat_b,
-                          &sizes_b, &bin_of_b, &cnt_b, &btok_b, &bcost_b, &load_b, &of_b, &os_b,
-                          &per, &seq_len, &budget, &good_enough, &sumsq)) {
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*w*w*w*w*w*w*nnndp", &cost_b, &tok_b, &bud_b,
+                          &lim_b, &flat_b, &sizes_b, &bin_of_b, &cnt_b, &btok_b, &bcost_b,
+                          &bbud_b, &load_b, &of_b, &os_b, &per, &seq_len, &budget,
+                          &good_enough, &sumsq)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -932,6 +1122,7 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
     Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);
     Py_ssize_t ranks = load_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nbud = lim_b.len / (Py_ssize_t)sizeof(double);
     Py_ssize_t attempts = 0;
     int failed = 0;
     if (per < 1 || ranks < 1 || nb % per != 0 || nb / per != ranks) {
@@ -943,6 +1134,8 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
         check(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
         check(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
         check(&bcost_b, "bin_cost", sizeof(double), nb) ||
+        check(&bud_b, "bud", sizeof(double), n * nbud) ||
+        check(&bbud_b, "bin_bud", sizeof(double), nb * nbud) ||
         check(&of_b, "out_flat", sizeof(int64_t), n) ||
         check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
         goto done;
@@ -951,7 +1144,8 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     block = calloc(words, sizeof(int64_t));
     s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
     s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
-    if (block == NULL || s.members == NULL || s.stuck == NULL) {
+    s.run = nbud ? (double *)calloc((size_t)((n + 1) * nbud), sizeof(double)) : NULL;
+    if (block == NULL || s.members == NULL || s.stuck == NULL || (nbud && s.run == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
@@ -986,6 +1180,10 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     s.bin_tok = (int64_t *)btok_b.buf;
     s.bin_cost = (double *)bcost_b.buf;
     s.load = (double *)load_b.buf;
+    s.nbud = nbud;
+    s.bud = (const double *)bud_b.buf;
+    s.limits = (const double *)lim_b.buf;
+    s.bin_bud = (double *)bbud_b.buf;
     const int64_t *flat = (const int64_t *)flat_b.buf;
     const int64_t *sizes = (const int64_t *)sizes_b.buf;
     Py_ssize_t at = 0;
@@ -1068,6 +1266,7 @@ done:
     }
     free(s.members);
     free(s.stuck);
+    free(s.run);
     free(block);
     PyBuffer_Release(&cost_b);
     PyBuffer_Release(&tok_b);
@@ -1077,6 +1276,9 @@ done:
     PyBuffer_Release(&cnt_b);
     PyBuffer_Release(&btok_b);
     PyBuffer_Release(&bcost_b);
+    PyBuffer_Release(&bud_b);
+    PyBuffer_Release(&lim_b);
+    PyBuffer_Release(&bbud_b);
     PyBuffer_Release(&load_b);
     PyBuffer_Release(&of_b);
     PyBuffer_Release(&os_b);
@@ -1084,17 +1286,31 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"lpt_plain", lpt_plain, METH_VARARGS,
-     "The whole reference greedy without budgets (see _algorithms.lpt_assign)."},
+    {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
     {"refine_search", refine_search, METH_VARARGS,
-     "The default algorithm's local search without budgets (see _refine._Search.run)."},
+     "The default algorithm's local search, with or without budgets (see search.py)."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_native",
-    "Compiled inner loops of the planner; _algorithms.py and _refine.py are their specification.",
+    "The planner's compiled core (greedy and search); native.py is its one caller.",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+/* The version and the search's tuning constants are exported: the planner's identity reads
+   the one, the test oracle the others, so neither is written twice. */
+PyMODINIT_FUNC PyInit__native(void) {
+    PyObject *mod = PyModule_Create(&module);
+    if (mod == NULL) return NULL;
+    if (PyModule_AddIntConstant(mod, "CORE_VERSION", CORE_VERSION) < 0 ||
+        PyModule_AddIntConstant(mod, "NEAR_TARGETS", NEAR_TARGETS) < 0 ||
+        PyModule_AddIntConstant(mod, "WIDE_TARGETS", WIDE_TARGETS) < 0 ||
+        PyModule_AddIntConstant(mod, "FULL_SWAP_PAIRS", FULL_SWAP_PAIRS) < 0 ||
+        PyModule_AddIntConstant(mod, "SWAP_NEIGHBOURS", SWAP_NEIGHBOURS) < 0 ||
+        PyModule_AddIntConstant(mod, "EXCHANGE_CANDIDATES", EXCHANGE_CANDIDATES) < 0) {
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
+}

@@ -24,13 +24,7 @@ import numpy as np
 
 from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._plan import BalanceDecision, Plan, PlanLayout
-from evenflow.engine._planning.algorithms import (
-    BalanceProblem,
-    BalancingAlgorithm,
-    FlatLayout,
-    _first_infeasible_flat,
-    resolve_algorithm,
-)
+from evenflow.engine._planning import cost as _cost
 from evenflow.engine._planning.columns import (
     KeyView,
     MetadataView,
@@ -42,7 +36,15 @@ from evenflow.engine._planning.columns import (
     raise_duplicate,
     strictly_increasing,
 )
+from evenflow.engine._planning.native import core_identity
 from evenflow.engine._planning.objectives import resolve_objective
+from evenflow.engine._planning.problem import (
+    BalanceProblem,
+    BalancingAlgorithm,
+    FlatLayout,
+    _first_infeasible_flat,
+)
+from evenflow.engine._planning.registry import resolve_algorithm
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 
@@ -101,8 +103,6 @@ class Planner:
         oversized_policy: str = "error",
         packing_budgets: dict[str, float] | None = None,
     ) -> None:
-        from evenflow.engine._planning import cost as _cost
-
         self.num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         self.bins_per_rank = check_int("bins_per_rank", bins_per_rank, minimum=1)
         self.constraints = PackingConstraints(
@@ -149,7 +149,12 @@ class Planner:
         return self._last_costs
 
     def identity(self) -> dict[str, Any]:
-        """Plain data that determines every plan this planner makes (for fingerprints)."""
+        """Plain data that determines every plan this planner makes (for fingerprints).
+
+        It includes the compiled core's version: ``build_loader`` compares identities across
+        ranks before the first step, so a group whose builds would plan differently is
+        refused there rather than by the per-step digest check.
+        """
         return {
             "num_ranks": self.num_ranks,
             "bins_per_rank": self.bins_per_rank,
@@ -160,6 +165,7 @@ class Planner:
             "min_balance_gain": self.min_balance_gain,
             "cost_model": self.cost_model_id,
             "algorithm": self.algorithm_id,
+            **core_identity(),
         }
 
     # ------------------------------------------------------------------ planning
@@ -289,8 +295,6 @@ class Planner:
     def _costs(
         self, keys: Sequence[SampleKey], metas: Sequence[SampleMetadata], tokens: np.ndarray
     ) -> tuple[np.ndarray, Any]:
-        from evenflow.engine._planning import cost as _cost
-
         if not self._components:
             costs = _cost.evaluate_costs(self.cost_model, metas, keys=keys, tokens=tokens)
             return costs, None

@@ -33,6 +33,10 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._model import SampleMetadata
+from evenflow.engine._planning import native
+from evenflow.engine._planning import planner as _planner
+from evenflow.engine._planning.cost import QuadraticCost
+from evenflow.engine._planning.registry import resolve_algorithm
 from evenflow.engine.errors import ConfigError
 from evenflow.engine.workloads import DISTRIBUTIONS, PACKERS, make_step
 
@@ -116,14 +120,6 @@ def _quantiles(values: Sequence[float], *names: str) -> dict[str, float | None]:
 
 
 def _cost_model(linear: float) -> Callable[[SampleMetadata], float]:
-    try:
-        from evenflow.engine._planning.cost import QuadraticCost
-    except ImportError:  # pragma: no cover - only while the cost models are absent
-
-        def quadratic(meta: SampleMetadata) -> float:
-            return linear * meta.tokens + float(meta.tokens) ** 2
-
-        return quadratic
     model: Callable[[SampleMetadata], float] = QuadraticCost(linear=linear, quadratic=1.0)
     return model
 
@@ -136,8 +132,6 @@ class _CountingAlgorithm:
     """
 
     def __init__(self, name: str) -> None:
-        from evenflow.engine._planning.algorithms import resolve_algorithm
-
         self._inner = resolve_algorithm(name)
         self.name: str = self._inner.name
         self.algorithm_id: str = self._inner.algorithm_id
@@ -563,11 +557,7 @@ def _fmt(q: dict[str, float | None], *names: str, digits: int = 2) -> str:
 
 def _core_name() -> str:
     """Which implementation of the greedy and the search the timings measure."""
-    from evenflow.engine._planning import algorithms as _algorithms
-
-    if _algorithms._native is None:
-        return "python (the compiled extension is not built)"
-    return "compiled" if _algorithms._use_native else "python (compiled core switched off)"
+    return f"compiled (core version {native.CORE_VERSION})"
 
 
 def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
@@ -689,17 +679,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
-    from evenflow.engine._planning.planner import Planner
-
+    planner_cls = _planner.Planner  # looked up per run, so a test may substitute one
     cases, skipped = _sweep(args)
     started = time.perf_counter()
-    _warm_up(Planner)
+    _warm_up(planner_cls)
     for case in cases:
-        _plan_case(case, args.seed, Planner)
+        _plan_case(case, args.seed, planner_cls)
     exact_instances = args.exact_instances
     if exact_instances is None:
         exact_instances = 4 if args.quick else 50
-    exact = _run_exact(Planner, num_instances=exact_instances, seed=args.seed)
+    exact = _run_exact(planner_cls, num_instances=exact_instances, seed=args.seed)
     checks = _checks_json(cases)
     doc: dict[str, Any] = {
         "benchmark": "planner",

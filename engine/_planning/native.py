@@ -1,0 +1,120 @@
+"""The one place Python meets the planner's compiled core (``_native.c``).
+
+The core is the only production implementation of the reference greedy and of the default
+algorithm's local search, with and without packing budgets; ``pip install`` builds it and
+fails without a C compiler. This module loads it (with an error that names the fix when it is
+missing), reports its identity, and hands it contiguous arrays of the types it reads.
+
+:data:`CORE_VERSION` is defined in the C source and bumped with every change that can change
+a plan; :func:`core_identity` puts it into :meth:`Planner.identity`, so ranks that would plan
+differently are refused before their first step instead of failing the per-step digest check.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import numpy as np
+
+from evenflow.engine._planning.problem import BalanceProblem
+
+__all__ = ["CORE_VERSION", "core_identity", "lpt", "refine_search"]
+
+_MODULE = "evenflow.engine._planning._native"
+
+
+def _load() -> Any:
+    try:
+        return importlib.import_module(_MODULE)
+    except ImportError as exc:
+        raise ImportError(
+            f"{_MODULE} (the planner's compiled core) is not built or cannot be loaded: {exc}. "
+            "evenflow needs it and has no pure-Python fallback. Install a C compiler "
+            "(e.g. gcc, or the Xcode command line tools) and reinstall evenflow with "
+            "'pip install .' (or 'pip install -e .'), or build it in place with "
+            "'python -c \"from setuptools import setup; setup()\" build_ext --inplace'."
+        ) from exc
+
+
+_core: Any = _load()
+
+CORE_VERSION: int = int(_core.CORE_VERSION)
+
+
+def core_identity() -> dict[str, Any]:
+    """What the planner's identity records about the core (plans depend on it)."""
+    return {"core": "compiled", "core_version": CORE_VERSION}
+
+
+def _f64(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.float64)
+
+
+def _i64(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _limits(problem: BalanceProblem) -> np.ndarray:
+    return np.array(list(problem.constraints.budgets.values()), dtype=np.float64)
+
+
+def lpt(problem: BalanceProblem, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """The greedy's layout as ``(flat, sizes)`` given the placement order, or None (dead end)."""
+    flat = np.empty(problem.num_samples, dtype=np.int64)
+    sizes = np.empty(problem.num_bins, dtype=np.int64)
+    placed = _core.lpt(
+        _f64(problem.costs),
+        _i64(problem.tokens),
+        _f64(problem.budget_costs),
+        _limits(problem),
+        _i64(order),
+        flat,
+        sizes,
+        problem.num_ranks,
+        problem.bins_per_rank,
+        problem.constraints.seq_len,
+    )
+    return (flat, sizes) if placed else None
+
+
+def refine_search(
+    problem: BalanceProblem,
+    start: tuple[np.ndarray, np.ndarray],
+    state: dict[str, np.ndarray],
+    *,
+    budget: int,
+    good_enough: float,
+    sumsq: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Run the local search from ``start`` = ``(flat, sizes)``; the layout reached.
+
+    ``state`` holds the search state for the start (``bin_of``, ``bin_cnt``, ``bin_tok``,
+    ``bin_cost``, ``bin_bud``, ``load``; see ``search.py``) as writable contiguous arrays of
+    the right types; the core updates them in place.
+    """
+    flat, sizes = _i64(start[0]), _i64(start[1])
+    out_flat = np.empty_like(flat)
+    out_sizes = np.empty_like(sizes)
+    _core.refine_search(
+        _f64(problem.costs),
+        _i64(problem.tokens),
+        _f64(problem.budget_costs),
+        _limits(problem),
+        flat,
+        sizes,
+        state["bin_of"],
+        state["bin_cnt"],
+        state["bin_tok"],
+        state["bin_cost"],
+        state["bin_bud"],
+        state["load"],
+        out_flat,
+        out_sizes,
+        problem.bins_per_rank,
+        problem.constraints.seq_len,
+        budget,
+        good_enough,
+        sumsq,
+    )
+    return out_flat, out_sizes

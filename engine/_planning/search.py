@@ -1,0 +1,73 @@
+"""The default algorithm's local search: its start state and its stopping bound.
+
+The search itself (the move families, their candidates and tie order) runs in the compiled
+core; ``refine.py`` describes the method and ``OracleSearch`` in ``tests/oracles/planning.py``
+specifies it as whole-array numpy expressions. This module builds what the core starts from:
+per-sample bins and per-bin token counts, costs and budget sums, computed with numpy sums
+whose rounding the oracle shares, and the load at which the search may stop early.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from evenflow.engine._planning import native
+from evenflow.engine._planning.objectives import balance
+from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
+
+__all__ = ["NEAR_OPTIMAL", "search", "search_state"]
+
+# Makespan search stops once the most loaded rank is this close to the lower bound.
+NEAR_OPTIMAL = 2e-4
+
+
+def search_state(problem: BalanceProblem, start: FlatLayout) -> dict[str, np.ndarray]:
+    """The search state of layout ``start`` (fresh, writable arrays)."""
+    nb = len(start)
+    flat = start.flat
+    sizes = np.array(start.sizes, dtype=np.int64)  # a copy: the search changes it
+    bin_ids = np.repeat(np.arange(nb, dtype=np.int64), sizes)
+    bin_of = np.empty(problem.num_samples, dtype=np.int64)
+    bin_of[flat] = bin_ids
+    num_budgets = len(problem.constraints.budgets)
+    bin_bud = np.zeros((nb, num_budgets), dtype=np.float64)
+    for k in range(num_budgets):
+        bin_bud[:, k] = np.bincount(bin_ids, weights=problem.budget_costs[flat, k], minlength=nb)
+    bin_cost = np.bincount(bin_ids, weights=problem.costs[flat], minlength=nb)
+    return {
+        "bin_of": bin_of,
+        "bin_cnt": sizes,
+        "bin_tok": np.bincount(bin_ids, weights=problem.tokens[flat], minlength=nb).astype(
+            np.int64
+        ),
+        "bin_cost": bin_cost,
+        "bin_bud": bin_bud,
+        "load": bin_cost.reshape(problem.num_ranks, problem.bins_per_rank).sum(axis=1),
+    }
+
+
+def good_enough(problem: BalanceProblem, load: np.ndarray) -> float:
+    """The makespan below which searching further is not worth the planning time.
+
+    No layout beats the larger of the mean rank load and the costliest sample; within
+    :data:`NEAR_OPTIMAL` of it the remaining gain is small.
+    """
+    bound = max(float(load.sum()) / problem.num_ranks, float(problem.costs.max(initial=0.0)))
+    return bound * (1.0 + NEAR_OPTIMAL)
+
+
+def search(
+    problem: BalanceProblem, start: FlatLayout, budget: int
+) -> tuple[FlatLayout, np.ndarray]:
+    """Search from ``start`` for at most ``budget`` attempts: the layout and its sample ranks."""
+    state = search_state(problem, start)
+    flat, sizes = native.refine_search(
+        problem,
+        (start.flat, start.sizes),
+        state,
+        budget=budget,
+        good_enough=good_enough(problem, state["load"]),
+        sumsq=problem.objective is balance,
+    )
+    rank_of: np.ndarray = state["bin_of"] // problem.bins_per_rank
+    return FlatLayout(flat, sizes), rank_of
