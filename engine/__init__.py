@@ -21,6 +21,7 @@ if TYPE_CHECKING:
         default_collate_fn,
         default_pack_fn,
     )
+    from evenflow.engine._pipeline.pass_report import PassSummary, RankUnread, UnevenEnd
     from evenflow.engine._pipeline.stats import StepStats
     from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
     from evenflow.engine._planning.flops import FlopsCost
@@ -59,6 +60,9 @@ _LAZY: dict[str, str] = {
     "build_loader": "evenflow.engine._distributed.build",
     "DistributedLoader": "evenflow.engine._distributed.loader",
     "StepStats": "evenflow.engine._pipeline.stats",
+    "PassSummary": "evenflow.engine._pipeline.pass_report",
+    "RankUnread": "evenflow.engine._pipeline.pass_report",
+    "UnevenEnd": "evenflow.engine._pipeline.pass_report",
     "NullTracer": "evenflow.engine._tracing",
     "merge_chrome_traces": "evenflow.engine._tracing",
     # step sources
@@ -90,9 +94,11 @@ __all__ = [
     "OversizedPolicy",
     "PackedSteps",
     "PackingConstraints",
+    "PassSummary",
     "Plan",
     "Planner",
     "QuadraticCost",
+    "RankUnread",
     "RefineAlgorithm",
     "SampleKey",
     "SampleMetadata",
@@ -100,6 +106,7 @@ __all__ = [
     "StepStats",
     "TokenCost",
     "Tracer",
+    "UnevenEnd",
     "build_loader",
     "count_loss_tokens",
     "default_collate_fn",

@@ -20,6 +20,7 @@ from evenflow.engine._pipeline.parts import (
     loader_identity,
     loader_parts,
 )
+from evenflow.engine._pipeline.pass_report import PassSummary
 from evenflow.engine._pipeline.pipeline import Pipeline
 from evenflow.engine._pipeline.resume import (
     STATE_FORMAT,
@@ -29,6 +30,7 @@ from evenflow.engine._pipeline.resume import (
 )
 from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import StepState
+from evenflow.engine._sources._common import SourceReport
 from evenflow.engine._tracing import StallMeter
 from evenflow.engine.errors import LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
@@ -133,6 +135,9 @@ class BalancedLoader(LoaderFacade):
         self._last_host_batch: Any = None
         self._source_state: Any = None
         self._restored: dict[str, Any] | None = None
+        self._pass_samples = 0  # samples / tokens this rank trained on in the current pass
+        self._pass_tokens = 0
+        self._last_pass: PassSummary | None = None
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -157,6 +162,12 @@ class BalancedLoader(LoaderFacade):
     def last_stats(self) -> StepStats | None:
         """Balance statistics of the last *consumed* step (never of a prefetched one)."""
         return self._last_stats
+
+    @property
+    def last_pass(self) -> PassSummary | None:
+        """How the last finished pass ended and what it left unread (``None`` until one
+        ends: by its sources, ``max_steps`` or ``set_epoch()``)."""
+        return self._last_pass
 
     @property
     def last_host_batch(self) -> Any:
@@ -184,6 +195,7 @@ class BalancedLoader(LoaderFacade):
         """Per-stage timings (when tracing) and the caller's data stall versus compute."""
         summary = dict(self._tracer.summary())
         summary["caller"] = self._meter.summary()
+        summary["pass"] = None if self._last_pass is None else self._last_pass.to_dict()
         return summary
 
     def fingerprint(self, *, for_resume: bool = False) -> str:
@@ -269,6 +281,7 @@ class BalancedLoader(LoaderFacade):
         pipeline = self._pipeline
         if pipeline is not None:
             await pipeline.drain(self._config.timeout)
+            self._summarise_pass(pipeline, "restart")
         await self._close_pass()
 
     def _reset_pass(self, epoch: int) -> None:
@@ -281,6 +294,7 @@ class BalancedLoader(LoaderFacade):
         self._source_state = None
         self._last_host_batch = None
         self._last_stats = None
+        self._pass_samples = self._pass_tokens = 0
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
@@ -378,8 +392,31 @@ class BalancedLoader(LoaderFacade):
             ) from None
 
     async def _finish_pass(self) -> None:
+        pipeline = self._pipeline
+        if pipeline is not None:
+            final = pipeline.final_round
+            reason = "exhausted" if final is None else final.end_reason or "exhausted"
+            if final is not None and final.uneven is not None:
+                reason = "uneven"
+            self._summarise_pass(pipeline, reason)
         await self._close_pass()
         self._pass_finished = True
+
+    def _summarise_pass(self, pipeline: Pipeline, reason: str) -> None:
+        final = pipeline.final_round
+        report = getattr(self._source, "report", None)
+        summary = PassSummary(
+            epoch=self._epoch,
+            steps=self._delivered,
+            end_reason=reason,
+            samples=self._pass_samples,
+            tokens=self._pass_tokens,
+            uneven=None if final is None else final.uneven,
+            source=report if isinstance(report, SourceReport) else None,
+        )
+        self._last_pass = summary
+        if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
+            logger.info("%s", summary.log_line())
 
     async def _close_pass(self) -> None:
         pipeline, self._pipeline = self._pipeline, None
@@ -408,6 +445,12 @@ class BalancedLoader(LoaderFacade):
         self._source_state = state.source_state
         self._last_stats = state.stats
         self._last_host_batch = state.host_batch
+        routes, plan = state.routes, state.plan
+        if routes is not None and plan is not None:
+            per = plan.layout.bins_per_rank
+            rank = routes.rank
+            self._pass_samples += sum(map(len, routes.bins))
+            self._pass_tokens += int(plan.layout.tokens[rank * per : (rank + 1) * per].sum())
         stats = state.stats
         if stats is not None:
             if (

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
@@ -56,6 +57,8 @@ from evenflow.transports.errors import (
 )
 
 __all__ = ["Pipeline"]
+
+logger = logging.getLogger("evenflow")
 
 
 class Pipeline:
@@ -127,6 +130,7 @@ class Pipeline:
         self._stop_reading = False  # set by drain(): end the pass at the next read
         self._stop_event = asyncio.Event()
         self._recv_task: asyncio.Future[StepState] | None = None
+        self.final_round: StepState | None = None  # the final metadata round of a pass's end
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -166,6 +170,7 @@ class Pipeline:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
         self._out_recv.close()
+        await self._reader.aclose()
 
     # -- caller side --------------------------------------------------------------------------
 
@@ -356,6 +361,10 @@ class Pipeline:
         self.gathered_step = state.step
         self._confirm_prev([m.get("prev") for m in messages])
         self._judge_round(state, messages)
+        if state.terminal and state.status == "end":
+            self.final_round = state
+            if state.uneven is not None and state.remote is None:
+                logger.warning("%s", state.uneven.message("stop"))
         self._gather_done = state.terminal
         self.notify()
         if not state.terminal:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import functools
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
@@ -19,6 +22,8 @@ from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import ConfigError
 
 __all__ = ["SourceReader"]
+
+logger = logging.getLogger("evenflow")
 
 Described = tuple[list[Any], list[int], list[SampleMetadata]]
 
@@ -42,6 +47,7 @@ class SourceReader:
         self._cpu = cpu_executor
         self._source_executor = source_executor
         self._iter: Iterator[Any] | AsyncIterator[Any] | None = initial_iter
+        self._in_flight: concurrent.futures.Future[Any] | None = None  # on the source thread
 
     async def read(self, step: int) -> StepState:
         """The next step of the source: ``ok`` with its samples, ``end``, or ``error``."""
@@ -59,23 +65,70 @@ class SourceReader:
                 described = await loop.run_in_executor(self._cpu, self._describe, raw)
                 state.source_state = self._source_state()
             else:
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self._source_executor, self._read_sync)
+                result = await self._on_source_thread(self._read_sync)
                 if result is None:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
                 described, state.source_state = result
             state.samples, state.sizes, state.metas = described
+            state.steps_left = self._steps_left(step)
         except Exception as exc:
             state.status = "error"
             state.fail(getattr(exc, "_evenflow_stage", "source"), exc)
         return state
 
+    async def aclose(self) -> None:
+        """Release the pass's iterator: a generator is closed (its ``finally`` blocks run) and
+        the reference dropped, which is what shuts down a ``DataLoader`` iterator's worker
+        processes. A sync iterator is closed on the source executor, after any ``next()``
+        still in flight there; an async one on the loop."""
+        it, self._iter = self._iter, None
+        if it is None:
+            return
+        if isinstance(it, AsyncIterator):
+            aclose = getattr(it, "aclose", None)
+            if callable(aclose):
+                with contextlib.suppress(Exception):  # e.g. still running: it ends with the loop
+                    await aclose()
+            return
+        # The iterator travels in a list that the close empties, so that the last reference
+        # (which shuts down a DataLoader's workers) is dropped inside the close itself.
+        held, in_flight = [it], self._in_flight
+        idle = in_flight is None or in_flight.done()
+        del it, in_flight  # a finished open's future holds the iterator as its result
+        self._in_flight = None
+        try:
+            closing = self._source_executor.submit(_close_iterator, held)
+        except RuntimeError:  # the executor is shut down: no next() can be in flight
+            _close_iterator(held)
+            return
+        if idle:
+            # Nothing runs before it on the source thread: wait, so that the pass's
+            # resources (worker processes, files) are released when the pass ends. A
+            # next() still in flight (abandoned by drain or close) may block for good, so
+            # then the close runs after it returns, without waiting.
+            await asyncio.wrap_future(closing)
+
     async def _open_source(self) -> Iterator[Any] | AsyncIterator[Any]:
         if hasattr(self._source, "__aiter__"):
             return self._source.__aiter__()  # type: ignore[no-any-return]
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._source_executor, iter, self._source)
+        return await self._on_source_thread(functools.partial(iter, self._source))  # type: ignore[no-any-return]
+
+    async def _on_source_thread(self, work: Callable[[], Any]) -> Any:
+        """Run ``work`` on the source executor; what is in flight there is remembered, since
+        it keeps running when the awaiting stage is cancelled."""
+        future = self._source_executor.submit(work)
+        self._in_flight = future
+        return await asyncio.wrap_future(future)
+
+    def _steps_left(self, step: int) -> int | None:
+        """Steps the source still has after ``step``, where it knows its length (reported to
+        the group so that an uneven end can say what it leaves unread)."""
+        try:
+            size = len(self._source)
+        except Exception:  # no __len__, or one that cannot answer
+            return None
+        return max(int(size) - step - 1, 0)
 
     def _source_state(self) -> Any:
         state_dict = getattr(self._source, "state_dict", None)
@@ -131,3 +184,14 @@ class SourceReader:
             f"metadata_fn must return a SampleMetadata or an int token count, but returned "
             f"{meta!r:.80} ({type(meta).__name__})."
         )
+
+
+def _close_iterator(held: list[Iterator[Any]]) -> None:
+    it = held.pop()
+    close = getattr(it, "close", None)
+    if callable(close):
+        try:
+            close()
+        except Exception:  # the source's own clean-up failed: the pass is over anyway
+            logger.warning("Closing the source iterator raised; continuing.", exc_info=True)
+    del it, close  # the last references: a DataLoader iterator shuts its workers down here

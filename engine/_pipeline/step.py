@@ -69,10 +69,12 @@ class StepState:
     sizes: list[int] | None = None  # samples per bin of ``samples``
     metas: list[SampleMetadata] | None = None
     source_state: Any = None
+    steps_left: int | None = None  # source steps after this one, where the source has a len()
     error: BaseException | None = None
     error_stage: str = ""
     remote: BaseException | None = None  # a group-wide error to raise at this step
     terminal: bool = False  # no later step exists: raise or end here
+    uneven: Any = None  # the UnevenEnd when this final round found sources ending unevenly
     plan: Plan | None = None
     routes: RankRoutes | None = None
     stats: StepStats | None = None
@@ -116,6 +118,8 @@ def build_message(
         metas = state.metas
         msg["sizes"] = np.array(state.sizes, dtype=np.int32)
         msg["tokens"] = np.fromiter((m.tokens for m in metas), dtype=np.int64, count=len(metas))
+        if state.steps_left is not None:
+            msg["left"] = state.steps_left
         if any(m.features for m in metas):
             msg["features"] = [dict(m.features) for m in metas]
         if budget_names:

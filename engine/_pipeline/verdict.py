@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from evenflow.engine._pipeline.pass_report import uneven_end
 from evenflow.engine._pipeline.step import StepState, check_digests, error_info, remote_error
 from evenflow.engine.errors import GroupMismatchError, ResumeError, SourceExhaustedError
 
@@ -82,12 +83,10 @@ def judge_round(
         return
     if "end" in statuses:
         state.terminal = True
-        ended = [global_ranks[r] for r, s in enumerate(statuses) if s == "end"]
         restart = any(m.get("end_reason") == "restart" for m in messages)
-        if len(ended) < len(statuses) and on_uneven_end == "raise" and not restart:
-            state.remote = SourceExhaustedError(
-                f"The sources of ranks {ended} ended at step {state.step} while the other "
-                f"ranks of the group still had data. Give every rank the same number of "
-                "steps, or set on_uneven_end='stop' to end everywhere at the shortest."
-            )
+        uneven = None if restart else uneven_end(state.step, messages, global_ranks)
+        if uneven is not None:
+            state.uneven = uneven
+            if on_uneven_end == "raise":
+                state.remote = SourceExhaustedError(uneven.message("raise"))
         state.status = "end"

@@ -1,0 +1,187 @@
+"""How a pass ended: what the ranks still had when their sources ended unevenly, and the summary
+of a whole pass (``BalancedLoader.last_pass``).
+
+When one rank's source ends while others still have data, the group stops at that step
+(``on_uneven_end="stop"``) or raises (``"raise"``); either way the data the other ranks still
+held is not trained on. That is a drop, and drops are never silent: every rank learns from the
+final metadata round what each rank still had — the samples of the step it had read, and the
+steps after it where its source knows its length — logs it at WARNING and counts it in the
+pass summary.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from evenflow.engine._sources._common import SourceReport
+
+__all__ = ["PassSummary", "RankUnread", "UnevenEnd", "uneven_end"]
+
+logger = logging.getLogger("evenflow")
+
+
+@dataclass(frozen=True, slots=True)
+class RankUnread:
+    """What one rank still had when the pass ended at another rank's end.
+
+    ``samples``/``tokens``: the step it had read at the end step. ``more_steps``: the steps its
+    source still had after that one, when the source has a ``len()`` (``None`` if unknown).
+    """
+
+    rank: int
+    samples: int
+    tokens: int
+    more_steps: int | None
+
+    def describe(self) -> str:
+        more = (
+            "an unknown number of further steps"
+            if self.more_steps is None
+            else f"{self.more_steps} further step{'' if self.more_steps == 1 else 's'}"
+        )
+        return f"rank {self.rank}: {self.samples} samples ({self.tokens} tokens) read, and {more}"
+
+
+@dataclass(frozen=True, slots=True)
+class UnevenEnd:
+    """The end of a pass at ``step`` because the sources of ``ended_ranks`` ended first."""
+
+    step: int
+    ended_ranks: tuple[int, ...]
+    unread: tuple[RankUnread, ...]
+
+    @property
+    def num_unread_samples(self) -> int:
+        """Samples read at the end step by the ranks that still had data, none delivered."""
+        return sum(r.samples for r in self.unread)
+
+    @property
+    def num_unread_tokens(self) -> int:
+        return sum(r.tokens for r in self.unread)
+
+    def message(self, policy: str) -> str:
+        """The WARNING every rank logs (or, under ``"raise"``, the error's text)."""
+        what = "; ".join(r.describe() for r in self.unread)
+        action = (
+            "raising SourceExhaustedError on every rank"
+            if policy == "raise"
+            else "stopping every rank here (on_uneven_end='stop')"
+        )
+        return (
+            f"The sources of ranks {list(self.ended_ranks)} ended at step {self.step} while the "
+            f"other ranks of the group still had data, {action}. Not delivered: {what} — "
+            f"{self.num_unread_samples} samples in all at this step. Give every rank the same "
+            "number of steps (DatasetSource does by construction), or set "
+            "on_uneven_end='raise' to fail instead of dropping."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "ended_ranks": list(self.ended_ranks),
+            "unread": [
+                {
+                    "rank": r.rank,
+                    "samples": r.samples,
+                    "tokens": r.tokens,
+                    "more_steps": r.more_steps,
+                }
+                for r in self.unread
+            ],
+            "num_unread_samples": self.num_unread_samples,
+            "num_unread_tokens": self.num_unread_tokens,
+        }
+
+
+def uneven_end(
+    step: int, messages: Sequence[dict[str, Any]], global_ranks: tuple[int, ...]
+) -> UnevenEnd | None:
+    """The uneven end described by a final metadata round, or ``None`` if it is even.
+
+    A pure function of the gathered messages, so every rank describes it identically. ``left``
+    is peer data: anything but a non-negative integer reads as unknown.
+    """
+    statuses = [m.get("status") for m in messages]
+    if "end" not in statuses or all(s == "end" for s in statuses):
+        return None
+    unread = []
+    for r, m in enumerate(messages):
+        if m.get("status") != "ok":
+            continue
+        tokens = np.asarray(m.get("tokens", ()), dtype=np.int64)
+        left = m.get("left")
+        more = left if isinstance(left, int) and not isinstance(left, bool) and left >= 0 else None
+        unread.append(RankUnread(global_ranks[r], int(tokens.size), int(tokens.sum()), more))
+    ended = tuple(global_ranks[r] for r, s in enumerate(statuses) if s == "end")
+    return UnevenEnd(step=step, ended_ranks=ended, unread=tuple(unread))
+
+
+@dataclass(frozen=True, slots=True)
+class PassSummary:
+    """One finished pass (an epoch, or the part of it before ``set_epoch``/``max_steps``).
+
+    ``end_reason``: ``"exhausted"`` (every source ended together), ``"uneven"`` (some sources
+    ended first: see ``uneven``), ``"limit"`` (``max_steps``) or ``"restart"`` (``set_epoch``
+    before the end). ``steps``: steps delivered in the pass, a restored position included;
+    ``samples``/``tokens``: what this rank trained on in the steps delivered in this process.
+    ``source``: the source's own report of the epoch (``DatasetSource``/``IterableSource``:
+    the remainder it leaves unread, by design), when it has one.
+    """
+
+    epoch: int
+    steps: int
+    end_reason: str
+    samples: int
+    tokens: int
+    uneven: UnevenEnd | None = None
+    source: SourceReport | None = None
+
+    @property
+    def num_dropped_samples(self) -> int:
+        """Samples of the pass that no rank trained on and that the summary can count: those
+        left at an uneven end plus the source's reported remainder."""
+        left = self.uneven.num_unread_samples if self.uneven is not None else 0
+        return left + (self.source.num_dropped_samples if self.source is not None else 0)
+
+    def log_line(self) -> str:
+        line = (
+            f"pass of epoch {self.epoch} ended ({self.end_reason}) after {self.steps} steps; "
+            f"this rank trained on {self.samples} samples ({self.tokens} tokens)"
+        )
+        if self.uneven is not None:
+            line += (
+                f"; {self.uneven.num_unread_samples} samples left unread at the uneven end "
+                f"(step {self.uneven.step})"
+            )
+        if self.source is not None:
+            line += (
+                f"; the source left {self.source.num_dropped_samples} samples of the epoch "
+                "unread by design"
+            )
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        source = self.source
+        return {
+            "epoch": self.epoch,
+            "steps": self.steps,
+            "end_reason": self.end_reason,
+            "samples": self.samples,
+            "tokens": self.tokens,
+            "num_dropped_samples": self.num_dropped_samples,
+            "uneven": None if self.uneven is None else self.uneven.to_dict(),
+            "source": None
+            if source is None
+            else {
+                "num_steps": source.num_steps,
+                "num_samples": source.num_samples,
+                "num_dropped_samples": source.num_dropped_samples,
+                "num_dropped_tokens": source.num_dropped_tokens,
+                "num_oversized_dropped": source.num_oversized_dropped,
+            },
+        }
