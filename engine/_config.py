@@ -20,6 +20,7 @@ from evenflow.engine._validate import (
     check_number,
     check_optional_int,
 )
+from evenflow.engine.errors import ConfigError
 
 __all__ = ["LoaderConfig"]
 
@@ -65,7 +66,8 @@ class LoaderConfig:
             measured the 0.5 ms default passing every target where 5 ms missed three). It is a
             process-wide setting and is not restored at ``close()``.
         log_stats: log one line of balance statistics per step on group rank 0 (logger
-            ``"evenflow"``, INFO).
+            ``"evenflow"``, INFO; shown on standard error when the application configured no
+            logging, see :mod:`evenflow.engine._logging`).
     """
 
     seq_len: int
@@ -82,6 +84,18 @@ class LoaderConfig:
     on_uneven_end: UnevenEnd = "stop"
     switch_interval: float | None = 0.0005
     log_stats: bool = True
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> LoaderConfig:
+        # The generated __init__ is keyword-only; Python's own message for positional
+        # arguments names neither the fields nor the fix.
+        if args:
+            names = [f.name for f in dataclasses.fields(cls)]
+            shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, args, strict=False))
+            raise ConfigError(
+                f"LoaderConfig takes keyword arguments only, but got {len(args)} positional "
+                f"({', '.join(map(repr, args))}). Name them: LoaderConfig({shown})."
+            )
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         check_int("LoaderConfig.seq_len", self.seq_len, minimum=1)

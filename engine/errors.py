@@ -19,6 +19,7 @@ from __future__ import annotations
 from evenflow.transports._remote import RemoteErrorInfo, one_line, traceback_note
 from evenflow.transports.errors import (
     CollectiveMismatchError,
+    ConfigError,
     EncodeError,
     EvenflowError,
     PeerEncodeError,
@@ -50,10 +51,6 @@ __all__ = [
     "TransportTimeoutError",
     "WireFormatError",
 ]
-
-
-class ConfigError(EvenflowError, ValueError):
-    """A configuration value or argument is invalid. The message names it and the fix."""
 
 
 class PlanningError(EvenflowError):

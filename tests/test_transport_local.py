@@ -17,6 +17,7 @@ from evenflow.transports._registry import (
     register_transport,
 )
 from evenflow.transports.errors import (
+    ConfigError,
     EncodeError,
     RouteError,
     TransportClosedError,
@@ -163,9 +164,14 @@ def test_create_inprocess_rejects_a_non_group() -> None:
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="Unknown transport 'nccl'") as info:
+    with pytest.raises(ConfigError, match="Unknown transport 'nccl'") as info:
         create_transport("nccl")
     assert "'device', 'gloo', 'inprocess', 'local'" in str(info.value)
+    assert "For 'nccl', use 'device'." in str(info.value)
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(ConfigError, match="register_transport") as other:
+        create_transport("carrier-pigeon")
+    assert "use '" not in str(other.value)
     with pytest.raises(TypeError, match="Transport name must be a string"):
         create_transport(3)  # type: ignore[arg-type]
 

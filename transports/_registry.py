@@ -13,6 +13,7 @@ from typing import Any
 
 from evenflow.transports._base import Transport
 from evenflow.transports._inprocess import InProcessGroup
+from evenflow.transports.errors import ConfigError
 
 __all__ = ["create_transport", "register_transport"]
 
@@ -24,6 +25,17 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "local": ("evenflow.transports._local", "LocalTransport"),
     "gloo": ("evenflow.transports._gloo", "GlooTransport"),
     "device": ("evenflow.transports._device", "DeviceTransport"),
+}
+
+#: Backend names users reach for, and the transport that runs on them.
+_ALIASES = {
+    "nccl": "device",
+    "hccl": "device",
+    "cuda": "device",
+    "npu": "device",
+    "cpu": "gloo",
+    "inproc": "inprocess",
+    "in_process": "inprocess",
 }
 
 _lock = threading.Lock()
@@ -63,8 +75,9 @@ def create_transport(name: str, **kwargs: Any) -> Transport:
 
     Built-in names: ``"local"`` (:class:`LocalTransport`), ``"inprocess"`` (needs ``group=``
     an :class:`InProcessGroup` and ``rank=``), ``"gloo"`` and ``"device"``; plus any name
-    added with :func:`register_transport`. An unknown name raises ``ValueError`` listing
-    the known ones.
+    added with :func:`register_transport`. An unknown name raises ``ConfigError`` (a
+    ``ValueError``) listing the known ones, with the right name for backend names such as
+    ``"nccl"`` (``"device"``).
     """
     if not isinstance(name, str):
         raise TypeError(
@@ -81,10 +94,14 @@ def create_transport(name: str, **kwargs: Any) -> Transport:
             factory = getattr(importlib.import_module(module_name), attribute)
         else:
             known = ", ".join(repr(n) for n in _known_names())
-            raise ValueError(
-                f"Unknown transport {name!r}. Known transports: {known}. Register your own "
-                f"with evenflow.transports.register_transport(name, factory)."
+            hint = _ALIASES.get(name.strip().lower())
+            advice = (
+                f" For {name!r}, use {hint!r}."
+                if hint
+                else " Register your own with evenflow.transports.register_transport(name, "
+                "factory)."
             )
+            raise ConfigError(f"Unknown transport {name!r}. Known transports: {known}.{advice}")
     transport = factory(**kwargs)
     if not isinstance(transport, Transport):
         raise TypeError(

@@ -6,6 +6,7 @@ torch.distributed, ``msgpack`` exceptions) are translated at the transport bound
 chained with ``from exc`` so the original stays visible::
 
     EvenflowError
+    ├── ConfigError (ValueError)   an invalid setting or argument (the engine raises it too)
     ├── WireFormatError            bytes that are not a valid evenflow frame
     ├── EncodeError (TypeError)    a payload holds a value the wire format cannot carry
     └── TransportError             a collective failed
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 __all__ = [
     "CollectiveMismatchError",
+    "ConfigError",
     "EncodeError",
     "EvenflowError",
     "PeerEncodeError",
@@ -35,6 +37,10 @@ __all__ = [
 
 class EvenflowError(Exception):
     """Root of every error evenflow raises on purpose."""
+
+
+class ConfigError(EvenflowError, ValueError):
+    """A configuration value or argument is invalid. The message names it and the fix."""
 
 
 class WireFormatError(EvenflowError):

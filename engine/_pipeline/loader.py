@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from evenflow.engine._config import LoaderConfig
+from evenflow.engine._logging import show_info_lines
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
@@ -341,6 +342,8 @@ class BalancedLoader(LoaderFacade):
         return self._delivered
 
     async def _start_pass(self) -> None:
+        if self._config.log_stats and self._transport.rank == 0:
+            show_info_lines()
         interval = self._config.switch_interval
         if interval is not None and sys.getswitchinterval() > interval:
             sys.setswitchinterval(interval)

@@ -15,11 +15,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.h2d import DeviceStager
 from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine._tracing import resolve_tracer
+from evenflow.engine.errors import ConfigError
 
 if TYPE_CHECKING:
     from evenflow.engine._pipeline.h2d import DeviceStager
@@ -50,6 +53,13 @@ def default_metadata_fn(sample: Any) -> int:
     try:
         return len(sample)
     except TypeError:
+        if isinstance(sample, (int, np.integer)) and not isinstance(sample, bool):
+            raise ConfigError(
+                f"A sample is the number {sample!r}: the source's steps are one nesting level "
+                "short. A step is a list of bins_per_rank bins, each a list of samples, and a "
+                "sample is a sequence of token ids (or a dict with 'input_ids'). Wrap each "
+                "step's samples in bins (DatasetSource and IterableSource do it for you)."
+            ) from None
         raise TypeError(
             f"The default metadata_fn cannot measure a sample of type {type(sample).__name__}; "
             "pass metadata_fn=lambda sample: SampleMetadata(tokens=...)."
