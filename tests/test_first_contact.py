@@ -3,6 +3,7 @@ visible without any logging set-up."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -80,3 +81,42 @@ def test_configured_logging_gets_each_line_once() -> None:
     # Step 0 is shown by the default handler; once the application configures logging, its
     # handler shows the rest and the default one steps aside.
     assert len(own) == 1 and len(app) == 1, out.stderr
+
+
+def test_bench_alone_lists_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    from evenflow.engine._tools import cli
+
+    assert cli.main(["bench"]) == 2
+    err = capsys.readouterr().err
+    assert "usage: evenflow bench <benchmark>" in err and "nothing" not in err
+    assert all(name in err for name in ("planner", "exchange", "pipeline", "scale"))
+    assert cli.main(["bench", "--help"]) == 0
+    assert "usage: evenflow bench <benchmark>" in capsys.readouterr().out
+    assert cli.main(["bench", "plannr"]) == 2
+    assert "unknown benchmark 'plannr'" in capsys.readouterr().err
+
+
+def test_every_option_of_every_command_has_help_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from evenflow.engine._tools import cli
+
+    seen: list[argparse.ArgumentParser] = []
+
+    def capture(self: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        seen.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
+    commands = [["demo"], *(["bench", name] for name in cli._BENCHMARKS)]
+    for command in commands:
+        with contextlib.suppress(SystemExit):
+            cli.main(command)
+    assert len(seen) == len(commands)
+    for command, parser in zip(commands, seen, strict=True):
+        bare = [
+            "/".join(a.option_strings)
+            for a in parser._actions
+            if a.option_strings and not a.help and a.help is not argparse.SUPPRESS
+        ]
+        assert not bare, f"evenflow {' '.join(command)}: options without help: {bare}"

@@ -38,17 +38,29 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _bench_usage() -> str:
+    lines = ["usage: evenflow bench <benchmark> [options]", "", "benchmarks:"]
+    for name, (_, text) in _BENCHMARKS.items():
+        lines.append(f"  {name:<12}{text}")
+    lines.append("")
+    lines.append("Run 'evenflow bench <benchmark> --help' for its options.")
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
         return 0
     if args[0] == "bench":
-        if len(args) < 2 or args[1] not in _BENCHMARKS:
+        if len(args) < 2 or args[1] in ("-h", "--help"):
+            print(_bench_usage(), file=sys.stderr if len(args) < 2 else sys.stdout)
+            return 2 if len(args) < 2 else 0
+        if args[1] not in _BENCHMARKS:
             known = ", ".join(sorted(_BENCHMARKS))
-            got = args[1] if len(args) > 1 else "nothing"
             print(
-                f"evenflow bench: unknown benchmark {got!r}; choose one of: {known}.",
+                f"evenflow bench: unknown benchmark {args[1]!r}; choose one of: {known}.\n\n"
+                f"{_bench_usage()}",
                 file=sys.stderr,
             )
             return 2

@@ -298,7 +298,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
     parser.add_argument("--ranks", type=_positive_ints, default=None, help="e.g. 2,4")
     parser.add_argument("--sizes-mib", type=_positive_ints, default=None, help="e.g. 1,4,16,64")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="payload seed (default 0)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     ranks = args.ranks or ([2] if args.quick else [2, 4])
     sizes = args.sizes_mib or ([1] if args.quick else [1, 4, 16, 64])

@@ -58,6 +58,7 @@ from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._pipeline.pack import default_pack_fn
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.planner import Planner
+from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.engine._tracing import NullTracer, Tracer
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError
@@ -516,11 +517,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         default=300.0,
         help="seconds per world before its ranks are killed (default 300)",
     )
+    add_report_only(parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench pipeline") -> int:
-    """Run the pipeline benchmark; 0 when it ran (targets may MISS), 1 on failure, 2 bad input."""
+    """Run the pipeline benchmark; 0 when every target passed, 1 on a MISS (unless
+    ``--report-only``) or a failure, 2 on bad input."""
     parser = _build_parser(prog)
     try:
         args = parser.parse_args(argv)
@@ -582,4 +585,4 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench pipeline
         print(json.dumps(doc, indent=1))
     else:
         _print_text(doc)
-    return 0
+    return targets_status(doc["targets"], report_only=args.report_only, prog=prog)

@@ -40,6 +40,7 @@ from evenflow.engine._pipeline.step import StepState, build_message, plan_step
 from evenflow.engine._plan import Plan
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.planner import Planner
+from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.engine.workloads import make_step
 from evenflow.transports import _wire
 from evenflow.transports.testing import run_inprocess
@@ -386,20 +387,49 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "evenflow bench scale
     parser.add_argument("--quick", action="store_true", help="a tiny run (smoke test)")
     parser.add_argument("--ranks", type=_positive, nargs="+", help="group sizes to run")
     parser.add_argument("--steps", type=_positive, default=5, help="steps per group size")
-    parser.add_argument("--bins-per-rank", type=_positive, default=4)
-    parser.add_argument("--seq-len", type=_positive, default=8192)
-    parser.add_argument("--distribution", default="sft")
-    parser.add_argument("--packer", default="firstfit", choices=("firstfit", "bfd"))
-    parser.add_argument("--algorithm", default="default", choices=("default", "lpt"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bins-per-rank", type=_positive, default=4, help="bins per rank per step (default 4)"
+    )
+    parser.add_argument(
+        "--seq-len", type=_positive, default=8192, help="tokens per bin (default 8192)"
+    )
+    parser.add_argument(
+        "--distribution",
+        default="sft",
+        help="sample length distribution of evenflow.engine.workloads (default sft)",
+    )
+    parser.add_argument(
+        "--packer",
+        default="firstfit",
+        choices=("firstfit", "bfd"),
+        help="how the synthetic sources pack their bins (default firstfit)",
+    )
+    parser.add_argument(
+        "--algorithm",
+        default="default",
+        choices=("default", "lpt"),
+        help="balancing algorithm (default default)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument(
         "--gather-up-to",
         type=int,
         default=256,
         help="largest group whose metadata gather also runs over the inprocess transport",
     )
-    parser.add_argument("--nodes", type=_positive, default=128)
-    parser.add_argument("--ranks-per-node", type=_positive, default=8)
+    parser.add_argument(
+        "--nodes",
+        type=_positive,
+        default=128,
+        help="nodes of the node-local grouping case (default 128)",
+    )
+    parser.add_argument(
+        "--ranks-per-node",
+        type=_positive,
+        default=8,
+        help="ranks per node of the node-local grouping case (default 8)",
+    )
+    add_report_only(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     quick = args.quick
     settings = _Settings(
@@ -422,7 +452,10 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "evenflow bench scale
         print(json.dumps(report, indent=2))
     else:
         _print(report)
-    return 0 if report["node_local_cross_node_bytes_ok"] else 1
+    if not report["node_local_cross_node_bytes_ok"]:
+        print(f"{prog}: node-local groups moved bytes across nodes.", file=sys.stderr)
+        return 1
+    return targets_status(report["targets"], report_only=args.report_only, prog=prog)
 
 
 if __name__ == "__main__":
