@@ -97,7 +97,9 @@ async def train(transport: InProcessTransport, num_steps: int) -> list[str]:
         lines.append(
             f"rank {transport.rank}: waited {caller['wait']['total'] * 1e3:.1f} ms for data, "
             f"computed {caller['compute']['total'] * 1e3:.1f} ms "
-            f"(data stall {caller['data_stall_fraction']:.1%})"
+            f"(data stall {caller['data_stall_fraction']:.1%}; the 'training' here is a "
+            "toy that takes almost no time, so the stall is large: with a real model's step "
+            "the pipeline stays ahead, see `evenflow bench pipeline`)"
         )
     return lines
 
