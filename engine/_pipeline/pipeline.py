@@ -88,6 +88,7 @@ class Pipeline:
             cpu_executor=cpu_executor,
             source_executor=source_executor,
             initial_iter=initial_iter,
+            constraints=planner.constraints,
         )
         self._config = config
         self._transport = transport
