@@ -278,16 +278,20 @@ def _print_table(rows: list[dict[str, Any]], targets: list[dict[str, Any]], repe
         )
 
 
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
+def _positive_int(text: str) -> int:
+    if "," in text:  # every evenflow command takes lists as separate values
+        spaced = " ".join(part.strip() for part in text.split(","))
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of positive integers, got {text!r}."
+            f"lists are space-separated, as in every evenflow command: write {spaced}, "
+            f"not {text}."
         )
-    return values
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}.")
+    return value
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange") -> int:
@@ -295,8 +299,16 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 2 repeats")
-    parser.add_argument("--ranks", type=_positive_ints, default=None, help="e.g. 2,4")
-    parser.add_argument("--sizes-mib", type=_positive_ints, default=None, help="e.g. 1,4,16,64")
+    parser.add_argument(
+        "--ranks", type=_positive_int, nargs="+", default=None, help="world sizes (default 2 4)"
+    )
+    parser.add_argument(
+        "--sizes-mib",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        help="payload sizes per rank in MiB (default 1 4 16 64)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
     parser.add_argument("--seed", type=int, default=0, help="payload seed (default 0)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
