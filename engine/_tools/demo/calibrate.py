@@ -1,0 +1,166 @@
+"""The demo's cost model: seconds of forward + backward, fitted to bins timed on this machine.
+
+Before training, every rank times the same set of packed bins (:func:`calibration_bins`: one
+long sample, many short ones, half-full bins) through the real model at the thread count it
+trains with, while the other ranks do the same — the conditions of training. The ranks average
+their timings and each fits the same :class:`FittedCost`. The fit has four terms with a
+physical meaning (per bin, per sample, per token, per query-key pair), so a noisy timing moves
+a coefficient a little instead of bending an interpolated curve. The demo then checks the fit
+against the compute it measures while training, and says so when they disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from evenflow.engine._model import SampleMetadata
+from evenflow.engine._pipeline.pack import IGNORE_INDEX
+from evenflow.engine._tools.demo.model import TinyCausalLM, packed_loss
+from evenflow.engine._validate import check_int
+
+__all__ = ["FittedCost", "calibration_bins", "time_bins"]
+
+
+def calibration_bins(seq_len: int) -> list[list[int]]:
+    """The packed bins (lists of sample lengths) that :func:`time_bins` times.
+
+    Full bins of equal samples from one sample of ``seq_len`` down to many short ones, and two
+    half-full bins: full bins alone could not tell a per-token cost from a per-bin one.
+    """
+    check_int("seq_len", seq_len, minimum=16)
+    bins = []
+    for div in (1, 2, 4, 8, 32, 128):
+        length = max(2, seq_len // div)
+        bins.append([length] * (seq_len // length))
+    for div in (2, 8):
+        length = seq_len // div
+        bins.append([length] * max(1, (seq_len // 2) // length))
+    return bins
+
+
+def time_bins(model: TinyCausalLM, bins: Sequence[Sequence[int]], *, repeats: int) -> list[float]:
+    """Seconds of forward + backward of each packed bin (the fastest of ``repeats`` timings).
+
+    Each bin is random tokens laid out as training lays them out (positions restarting per
+    sample, -100 at sample starts) and goes through the same summed loss. One untimed pass of
+    the largest bin first, so no timing pays for lazy initialisation. Gradients are
+    discarded. The fastest of several timings is the one least disturbed by other processes.
+    """
+    check_int("repeats", repeats, minimum=1)
+    generator = torch.Generator().manual_seed(0)
+    tensors = []
+    for lengths in bins:
+        if not lengths or min(lengths) < 1:
+            raise ValueError(f"Every bin needs samples of >= 1 token, but got {list(lengths)!r}.")
+        if max(lengths) > model.config.max_positions:
+            raise ValueError(
+                f"A calibration sample of {max(lengths)} tokens exceeds the model's "
+                f"max_positions={model.config.max_positions}."
+            )
+        total = sum(lengths)
+        ids = torch.randint(0, model.config.vocab_size, (1, total), generator=generator)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        cu = torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int32)
+        tensors.append((ids, positions, cu, ids.masked_fill(positions == 0, IGNORE_INDEX)))
+
+    def one(ids: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, lab: torch.Tensor) -> float:
+        start = time.perf_counter()
+        loss, _ = packed_loss(model(ids, pos, cu), lab)
+        loss.backward()
+        elapsed = time.perf_counter() - start
+        model.zero_grad(set_to_none=True)
+        return elapsed
+
+    if tensors:
+        one(*max(tensors, key=lambda t: int(t[0].shape[1])))
+    best = [math.inf] * len(tensors)
+    for _ in range(repeats):  # rounds, so a slow moment spoils one timing of each, not all
+        for i, t in enumerate(tensors):
+            best[i] = min(best[i], one(*t))
+    return best
+
+
+_TERMS = ("per_bin", "per_sample", "per_token", "per_token_pair")
+
+
+def _features(lengths: Sequence[int]) -> list[float]:
+    return [1.0, float(len(lengths)), float(sum(lengths)), float(sum(n * n for n in lengths))]
+
+
+class FittedCost:
+    """Seconds of forward + backward: ``per_sample + per_token·L + per_token_pair·L²``.
+
+    A sample's cost (what the planner balances) has a fixed part (the per-sample attention
+    call), a part per token (the linear layers, the LM head) and a part per query-key pair
+    (attention); a packed bin also pays ``per_bin`` once, which :meth:`bin_seconds` adds (the
+    planner leaves it out: every rank trains the same number of bins). :meth:`fit` finds the
+    four non-negative coefficients from timed bins, by least squares on relative error.
+    """
+
+    def __init__(
+        self, *, per_bin: float, per_sample: float, per_token: float, per_token_pair: float
+    ) -> None:
+        values = (per_bin, per_sample, per_token, per_token_pair)
+        if any(not (math.isfinite(v) and v >= 0) for v in values) or not any(values[1:]):
+            raise ValueError(
+                f"FittedCost coefficients must be finite and >= 0, with a positive sample "
+                f"term, but got {dict(zip(_TERMS, values, strict=True))!r}."
+            )
+        self.per_bin, self.per_sample, self.per_token, self.per_token_pair = values
+        digest = hashlib.sha256(repr(values).encode()).hexdigest()[:16]
+        self.model_id = f"demo-fitted-{digest}"
+
+    @classmethod
+    def fit(cls, bins: Sequence[Sequence[int]], seconds: Sequence[float]) -> FittedCost:
+        """Least squares on ``seconds`` (relative error), coefficients clamped at zero."""
+        if len(bins) != len(seconds) or len(bins) < len(_TERMS):
+            raise ValueError(
+                f"fit needs one timing per bin and at least {len(_TERMS)} bins, but got "
+                f"{len(bins)} bins and {len(seconds)} timings."
+            )
+        if any(not (s > 0 and math.isfinite(s)) for s in seconds):
+            raise ValueError(f"seconds must be positive and finite, but got {list(seconds)!r}.")
+        t = np.asarray(seconds, dtype=np.float64)
+        x = np.array([_features(b) for b in bins], dtype=np.float64) / t[:, None]
+        active = list(range(len(_TERMS)))
+        coef = np.zeros(len(_TERMS))
+        while active:  # drop the most negative term until none is negative (a tiny NNLS)
+            solution, *_ = np.linalg.lstsq(x[:, active], np.ones(len(t)), rcond=None)
+            if solution.min() >= 0:
+                coef[active] = solution
+                break
+            active.pop(int(np.argmin(solution)))
+        return cls(**dict(zip(_TERMS, (float(c) for c in coef), strict=True)))
+
+    def __call__(self, meta: SampleMetadata) -> float:
+        n = float(meta.tokens)
+        return self.per_sample + self.per_token * n + self.per_token_pair * n * n
+
+    def bin_seconds(self, lengths: Sequence[int]) -> float:
+        """Predicted seconds of one packed bin holding samples of ``lengths``."""
+        return float(np.dot(_features(lengths), self.coefficients()))
+
+    def coefficients(self) -> tuple[float, float, float, float]:
+        return (self.per_bin, self.per_sample, self.per_token, self.per_token_pair)
+
+    def as_dict(self) -> dict[str, float]:
+        """The coefficients by name (seconds; per query-key pair for ``per_token_pair``)."""
+        return dict(zip(_TERMS, self.coefficients(), strict=True))
+
+    def describe(self) -> str:
+        """The formula with its fitted numbers, in milliseconds."""
+        return (
+            f"{self.per_sample * 1e3:.3g} ms + {self.per_token * 1e3:.3g} ms·L + "
+            f"{self.per_token_pair * 1e3:.3g} ms·L² per sample, + {self.per_bin * 1e3:.3g} ms "
+            "per packed sequence"
+        )
+
+    def __repr__(self) -> str:
+        terms = ", ".join(f"{k}={v:.4g}" for k, v in zip(_TERMS, self.coefficients(), strict=True))
+        return f"FittedCost({terms})"
