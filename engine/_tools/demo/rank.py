@@ -22,6 +22,7 @@ the parent what the ranks were doing if the deadline passes.
 from __future__ import annotations
 
 import copy
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -100,7 +101,7 @@ def _cost_model(spec: dict[str, Any], model: TinyCausalLM) -> tuple[Any, dict[st
 
     bins = calibration_bins(spec["seq_len"])
     started = time.perf_counter()
-    local = torch.tensor(time_bins(model, bins, repeats=2), dtype=torch.float64)
+    local = torch.tensor(time_bins(model, bins, repeats=3), dtype=torch.float64)
     dist.all_reduce(local)  # the training group: every rank fits the same numbers
     seconds = (local / dist.get_world_size()).tolist()
     fitted = FittedCost.fit(bins, seconds)
@@ -286,7 +287,13 @@ def rank_main(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]
         for name in spec["arms"]:
             arms[name] = _Arm(spec, name, rank, num_ranks, parts)
         # Every rank stops at the same step: the loaders end together (on_uneven_end="stop").
-        while all([arm.train_step() for arm in arms.values()]):
+        # The arms take turns in a rotating order, so that none is always the one that trains
+        # right after the others' loaders prefetched (or while they still do).
+        order = list(arms.values())
+        for round_ in itertools.count():
+            turn = order[round_ % len(order) :] + order[: round_ % len(order)]
+            if not all([arm.train_step() for arm in turn]):
+                break
             if rank == 0:
                 _progress(spec, arms)
                 done = min(len(arm.steps) for arm in arms.values())

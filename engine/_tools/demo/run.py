@@ -79,7 +79,7 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         default=default_ranks,
         help=f"number of ranks (default: one per CPU core, at least 2; here {default_ranks})",
     )
-    parser.add_argument("--steps", type=int, default=24, help="training steps per arm (default 24)")
+    parser.add_argument("--steps", type=int, default=32, help="training steps per arm (default 32)")
     parser.add_argument(
         "--seq-len", type=int, default=1024, help="tokens per packed sequence (default 1024)"
     )
