@@ -211,3 +211,21 @@ def test_the_cli_reference_states_the_no_skip_threshold_of_the_code() -> None:
     row = next(line for line in text.splitlines() if line.startswith("| `--no-skip`"))
     stated = int(re.search(r"over ([\d,]+) bins", row).group(1).replace(",", ""))  # type: ignore[union-attr]
     assert stated == planner._MAX_BINS
+
+
+@pytest.mark.parametrize(("extra", "status"), [([], 1), (["--report-only"], 0)])
+def test_bench_exchange_exits_1_on_a_missed_target_unless_report_only(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    status: int,
+) -> None:
+    from evenflow.engine._tools.bench import exchange
+
+    row = {"num_ranks": 2, "mib_per_rank": 64, "vs_raw": 0.1, "vs_pickled": 1.0}
+    monkeypatch.setattr(exchange, "run_ranks", lambda *a, **k: [])
+    monkeypatch.setattr(exchange, "_summarize", lambda *a, **k: [row])
+    monkeypatch.setattr(exchange, "_print_table", lambda *a, **k: None)
+    assert exchange.main(["--ranks", "2", "--sizes-mib", "64", *extra]) == status
+    err = capsys.readouterr().err
+    assert "1 target(s) missed" in err and ("--report-only" in err)

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.transports._gloo import GlooTransport
 from evenflow.transports._protocol import pack_outgoing
 from evenflow.transports._wire import encode_many
@@ -282,8 +283,7 @@ def _positive_int(text: str) -> int:
     if "," in text:  # every evenflow command takes lists as separate values
         spaced = " ".join(part.strip() for part in text.split(","))
         raise argparse.ArgumentTypeError(
-            f"lists are space-separated, as in every evenflow command: write {spaced}, "
-            f"not {text}."
+            f"lists are space-separated, as in every evenflow command: write {spaced}, not {text}."
         )
     try:
         value = int(text)
@@ -295,7 +295,8 @@ def _positive_int(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange") -> int:
-    """Run the benchmark; print a table (or JSON with ``--json``). Returns 0."""
+    """Run the benchmark; print a table (or JSON with ``--json``). Returns 0, or 1 when a
+    target was missed (0 with ``--report-only``)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 2 repeats")
@@ -311,6 +312,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
     )
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
     parser.add_argument("--seed", type=int, default=0, help="payload seed (default 0)")
+    add_report_only(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     ranks = args.ranks or ([2] if args.quick else [2, 4])
     sizes = args.sizes_mib or ([1] if args.quick else [1, 4, 16, 64])
@@ -343,4 +345,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
         print(json.dumps(document, indent=2))
     else:
         _print_table(rows, targets, repeats)
-    return 0
+    named = [{"name": f"{t['target']} ({t['case']})", "status": t["status"]} for t in targets]
+    return targets_status(named, report_only=args.report_only, prog=prog)
