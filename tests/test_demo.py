@@ -201,8 +201,9 @@ def test_the_deadline_message_says_what_the_ranks_were_doing(tmp_path: Path) -> 
     assert "--steps" in text and "collective" not in text
 
 
-def _fake_results(ratio: float) -> tuple[dict[str, object], list[dict[str, object]]]:
-    """Two ranks' results as rank_main returns them, with compute ``ratio`` x the model's."""
+def _fake_results(ratio: float, share: float) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """Two ranks' results as rank_main returns them: compute is ``ratio`` x the model's, and
+    the ranks had their cores ``share`` of the wall time."""
     cost = {"per_bin": 0.0, "per_sample": 0.0, "per_token": 1e-3, "per_token_pair": 0.0}
     spec = {
         "arms": ["off", "step"],
@@ -228,7 +229,8 @@ def _fake_results(ratio: float) -> tuple[dict[str, object], list[dict[str, objec
                 "step_s": 0.05,
                 "wait_s": 0.001,
                 "tokens_s": 0.0,
-                "compute_s": ratio * t * 1e-3,
+                "compute_s": ratio * t * 1e-3 / share,
+                "compute_cpu_s": ratio * t * 1e-3,
                 "sync_s": 0.0,
                 "optimizer_s": 0.001,
                 "loss": 5.5 - s,
@@ -267,9 +269,11 @@ def _fake_results(ratio: float) -> tuple[dict[str, object], list[dict[str, objec
     return spec, results
 
 
-@pytest.mark.parametrize("ratio", [1.05, 1.5])
-def test_the_report_checks_the_calibration_against_measured_compute(ratio: float) -> None:
-    spec, results = _fake_results(ratio)
+@pytest.mark.parametrize(("ratio", "share"), [(1.05, 1.0), (1.5, 0.6)])
+def test_the_report_checks_the_calibration_against_measured_compute(
+    ratio: float, share: float
+) -> None:
+    spec, results = _fake_results(ratio, share)
     report = build_report(spec, 2, results, wall_s=1.0)  # type: ignore[arg-type]
     check = report["calibration_check"]
     assert check["measured_over_predicted"] == pytest.approx(ratio)
@@ -282,6 +286,10 @@ def test_the_report_checks_the_calibration_against_measured_compute(ratio: float
     text = format_report(report)
     assert "speedup, balanced per step" in text and "predicted by the cost model" in text
     assert "1.33x re-predicted after training" in text
+    assert "1.33x in the slowest rank's CPU time" in text
+    assert arm["core_share"] == pytest.approx(share)
+    busy = "the ranks ran only 60% of the time they spent computing"
+    assert (busy in text) is (share < 0.9)
     assert "loss: 5.50 -> 3.50 in 3 steps" in text
     if ratio < 1.2:
         assert "calibration holds" in text and "warning" not in text

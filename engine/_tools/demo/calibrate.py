@@ -1,8 +1,9 @@
 """The demo's cost model: seconds of forward + backward, fitted to bins timed on this machine.
 
 Before training, every rank times the same set of packed bins (:func:`calibration_bins`: one
-long sample, many short ones, half-full bins) through the real model at the thread count it
-trains with, while the other ranks do the same — the conditions of training. The ranks average
+long sample, many short ones, half-full bins) through the real model on the one thread it
+trains with, while the other ranks do the same — the conditions of training. Timings are CPU
+time, so that other jobs on a shared machine do not enter the model. The ranks average
 their timings and each fits the same :class:`FittedCost`. The fit has four terms with a
 physical meaning (per bin, per sample, per token, per query-key pair), so a noisy timing moves
 a coefficient a little instead of bending an interpolated curve. The demo then checks the fit
@@ -45,12 +46,15 @@ def calibration_bins(seq_len: int) -> list[list[int]]:
 
 
 def time_bins(model: TinyCausalLM, bins: Sequence[Sequence[int]], *, repeats: int) -> list[float]:
-    """Seconds of forward + backward of each packed bin (the fastest of ``repeats`` timings).
+    """CPU seconds of forward + backward of each packed bin (the least of ``repeats``).
 
     Each bin is random tokens laid out as training lays them out (positions restarting per
     sample, -100 at sample starts) and goes through the same summed loss. One untimed pass of
     the largest bin first, so no timing pays for lazy initialisation. Gradients are
-    discarded. The fastest of several timings is the one least disturbed by other processes.
+    discarded. The time is the calling thread's CPU time (torch runs one intra-op thread in
+    the demo, so that is all of the work): another process taking the core delays a timing
+    but does not lengthen it, and the least of several is the one least disturbed by
+    processes sharing the caches.
     """
     check_int("repeats", repeats, minimum=1)
     generator = torch.Generator().manual_seed(0)
@@ -70,10 +74,10 @@ def time_bins(model: TinyCausalLM, bins: Sequence[Sequence[int]], *, repeats: in
         tensors.append((ids, positions, cu, ids.masked_fill(positions == 0, IGNORE_INDEX)))
 
     def one(ids: torch.Tensor, pos: torch.Tensor, cu: torch.Tensor, lab: torch.Tensor) -> float:
-        start = time.perf_counter()
+        start = time.thread_time()
         loss, _ = packed_loss(model(ids, pos, cu), lab)
         loss.backward()
-        elapsed = time.perf_counter() - start
+        elapsed = time.thread_time() - start
         model.zero_grad(set_to_none=True)
         return elapsed
 

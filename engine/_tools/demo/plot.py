@@ -1,6 +1,7 @@
 """``demo.png``: what balancing changed, drawn from ``report.json`` (matplotlib, ``[bench]``).
 
-Top: each rank's mean compute per step and the step time, one bar per arm. Bottom: a few steps
+Top: each rank's mean compute per step (CPU time of its training thread) and the step time
+(wall clock), one bar per arm. Bottom: a few steps
 of every arm on one time axis, one lane per rank and arm: compute in the arm's colour, the
 wait at the gradient all-reduce (the slowest rank's excess) hatched grey. One colour per arm
 everywhere, and the colour of "off" is never used for a balanced arm. The arms take turns, so
@@ -48,10 +49,10 @@ def write_plot(report: dict[str, Any], path: Path) -> tuple[str | None, str | No
 
 def _draw_bars(ax: Any, arms: dict[str, Any], names: list[str], num_ranks: int) -> None:
     width = 0.8 / len(names)
-    groups = [f"rank {r}\ncompute" for r in range(num_ranks)] + ["step time\n(all ranks)"]
+    groups = [f"rank {r}\ncompute (CPU)" for r in range(num_ranks)] + ["step time\n(wall clock)"]
     for i, name in enumerate(names):
         arm = arms[name]
-        values = [*arm["compute_per_rank_s"], arm["step_time_s"]]
+        values = [*arm["compute_cpu_per_rank_s"], arm["step_time_s"]]
         xs = [g + (i - (len(names) - 1) / 2) * width for g in range(len(groups))]
         label = arm["label"]
         if name != "off":

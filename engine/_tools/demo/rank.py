@@ -173,20 +173,20 @@ class _Arm:
         world_tokens = torch.tensor([sum(count_loss_tokens(p) for p in batch)], dtype=torch.int64)
         dist.all_reduce(world_tokens)
         divisor = max(int(world_tokens.item()), 1)
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), time.thread_time()
         loss_sum, tokens, samples, bins = 0.0, 0, 0, []
         for packed in batch:
-            b0 = time.perf_counter()
+            b0 = time.thread_time()
             cu = packed["cu_seq_lens_q"]
             logits = self.model(packed["input_ids"], packed["position_ids"], cu)
             loss, _ = packed_loss(logits, packed["labels"])
             (loss / divisor).backward()
             loss_sum += float(loss.item())
             lengths = torch.diff(cu).tolist()
-            bins.append([lengths, time.perf_counter() - b0])
+            bins.append([lengths, time.thread_time() - b0])
             tokens += int(packed["input_ids"].numel())
             samples += len(lengths)
-        t2 = time.perf_counter()
+        t2, cpu2 = time.perf_counter(), time.thread_time()
         # DDP-style: one flat all-reduce (sum: every rank's loss was already divided by the
         # world's tokens) of every gradient and of the loss sum. It also waits for the
         # slowest rank, which is what balancing shortens.
@@ -213,6 +213,7 @@ class _Arm:
                 "wait_s": t0 - started,
                 "tokens_s": t1 - t0,
                 "compute_s": t2 - t1,
+                "compute_cpu_s": cpu2 - cpu1,
                 "sync_s": t3 - t2,
                 "optimizer_s": t4 - t3,
                 "loss": float(flat[-1].item()) / divisor,  # the world's mean token loss
