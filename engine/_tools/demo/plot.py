@@ -99,6 +99,8 @@ def _draw_timeline(
                 )
             labels.append(f"rank {rank}, {arms[name]['label']}")
             y += 1
+        if rank != ranks[-1]:
+            ax.axhline(y - 0.5, color="black", linewidth=0.5)  # one block of lanes per rank
     ax.set_yticks(range(len(labels)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xlabel(f"seconds (steps {shown[0]}-{shown[-1]} of every arm)")
