@@ -52,9 +52,9 @@ def core_warning(ranks: int, cores: int) -> str | None:
     if ranks <= cores:
         return None
     return (
-        f"{ranks} ranks on {cores} CPU core(s): the ranks take turns on the cores, so each "
-        "rank's measured compute includes the others' work and the speedup is not what "
-        f"separate devices would see; use --ranks {cores} or fewer for a fair measurement."
+        f"{ranks} ranks on {cores} CPU core(s): the ranks take turns on the cores, so step "
+        "times include waiting for a core and the measured speedup is not what separate "
+        f"devices would see; use --ranks {cores} or fewer for a fair measurement."
     )
 
 
