@@ -284,9 +284,12 @@ def test_the_report_checks_the_calibration_against_measured_compute(
     # re-prediction from the bins each rank trained is exact, whatever the start-up error.
     assert arm["refit_predicted_speedup"] == pytest.approx(40 / 30, rel=1e-3)
     text = format_report(report)
-    assert "speedup, balanced per step" in text and "predicted by the cost model" in text
-    assert "1.33x re-predicted after training" in text
-    assert "1.33x in the slowest rank's CPU time" in text
+    assert "balanced per step: steps 1.00x as fast as with balancing off" in text
+    assert "(1.33x predicted)" in text
+    table = {line[:32].strip(): line[32:].split() for line in text.splitlines()}
+    assert table["speedup, predicted"][:2] == ["1.00x", "1.33x"]
+    assert table["speedup, re-predicted"][:2] == ["1.00x", "1.33x"]
+    assert table["speedup, CPU time"][:2] == ["1.00x", "1.33x"]
     assert arm["core_share"] == pytest.approx(share)
     busy = "the ranks ran only 60% of the time they spent computing"
     assert (busy in text) is (share < 0.9)
@@ -324,7 +327,7 @@ def test_demo_trains_two_ranks_and_writes_the_report(
     assert "step 3/3:" in captured.err and "\r" not in captured.err
     assert "calibrate the cost model" in captured.err
     text = captured.out
-    for phrase in ("step time (s)", "imbalance, measured", "data stall", "speedup, ", "loss: "):
+    for phrase in ("step time (s)", "imbalance, measured", "data stall", "speedup, mea", "loss: "):
         assert phrase in text
     report = json.loads((out / "report.json").read_text())
     arms = report["arms"]

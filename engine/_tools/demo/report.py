@@ -360,14 +360,33 @@ def format_report(report: dict[str, Any]) -> str:
         "mean next-token loss over the world's tokens",
     )
     lines.append("")
+    row(
+        "speedup, measured",
+        [f"{arms[n]['speedup']:.2f}x" for n in names],
+        "step time of balancing off / this arm's (wall clock)",
+    )
+    row(
+        "speedup, predicted",
+        [f"{arms[n]['predicted_speedup']:.2f}x" for n in names],
+        "by the cost model the plans used (fitted at start-up)",
+    )
+    if all("refit_predicted_speedup" in arms[n] for n in names):
+        row(
+            "speedup, re-predicted",
+            [f"{arms[n]['refit_predicted_speedup']:.2f}x" for n in names],
+            "by that model re-fitted to the sequences training timed",
+        )
+    row(
+        "speedup, CPU time",
+        [f"{arms[n]['cpu_speedup']:.2f}x" for n in names],
+        "of the slowest rank's compute: what dedicated cores would see",
+    )
+    lines.append("")
     for name in names[1:]:
         arm = arms[name]
-        refit = arm.get("refit_predicted_speedup")
-        again = f"; {refit:.2f}x re-predicted after training" if refit is not None else ""
         lines.append(
-            f"speedup, {arm['label']}: {arm['speedup']:.2f}x measured (step time vs balancing "
-            f"off), {arm['predicted_speedup']:.2f}x predicted by the cost model{again}; "
-            f"{arm['cpu_speedup']:.2f}x in the slowest rank's CPU time"
+            f"{arm['label']}: steps {arm['speedup']:.2f}x as fast as with balancing off, "
+            f"measured side by side ({arm['predicted_speedup']:.2f}x predicted)"
         )
     lines.append(
         f"loss: {off['losses'][0]:.2f} -> {off['losses'][-1]:.2f} in {off['num_steps']} steps "
