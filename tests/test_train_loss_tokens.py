@@ -17,6 +17,7 @@ from testkit.loaders import DEADLINE, run_in_threads, run_in_threads_or_raise
 
 from evenflow.engine import (
     BalancedLoader,
+    IndexedSample,
     LoaderConfig,
     LossTokens,
     SampleMetadata,
@@ -124,6 +125,8 @@ def test_the_default_pack_counts_what_it_trains_on() -> None:
     given = with_loss_tokens(lambda s: SampleMetadata(tokens=3, loss_tokens=1))
     assert given([1, 2, 3]).loss_tokens == 1
     assert with_loss_tokens(lambda s: "bad")([1]) == "bad"
+    # A dataset index stands for a sample whose labels are not read yet: unknown.
+    assert with_loss_tokens(lambda s: s.tokens)(IndexedSample(3, 9)).loss_tokens is None
 
 
 def test_loss_scale_is_the_divide_factor_over_the_world() -> None:

@@ -31,6 +31,7 @@ import numpy.typing as npt
 import torch
 
 from evenflow.engine._model import SampleMetadata
+from evenflow.engine._sources._common import IndexedSample
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import ConfigError
 
@@ -136,8 +137,10 @@ def with_loss_tokens(metadata_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
     A sample without ``labels`` trains on all its positions but the first, so its count is
     ``tokens - 1`` with no look at the tokens; only a sample carrying ``labels`` is counted
-    (:func:`count_loss_tokens`). A value the metadata function gives is kept. What is neither a
-    ``SampleMetadata`` nor an ``int`` passes through for the loader to reject by name.
+    (:func:`count_loss_tokens`). A value the metadata function gives is kept. An
+    ``IndexedSample`` (a dataset index standing for a sample not read yet) stays unknown: its
+    labels cannot be seen. What is neither a ``SampleMetadata`` nor an ``int`` passes through
+    for the loader to reject by name.
     """
 
     def describe(sample: Any) -> Any:
@@ -145,6 +148,8 @@ def with_loss_tokens(metadata_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if isinstance(meta, int) and not isinstance(meta, bool):
             meta = SampleMetadata(tokens=meta)
         if not isinstance(meta, SampleMetadata) or meta.loss_tokens is not None:
+            return meta
+        if isinstance(sample, IndexedSample):
             return meta
         if isinstance(sample, Mapping) and sample.get("labels") is not None:
             loss = count_loss_tokens(sample)
