@@ -13,7 +13,7 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._logging import show_info_lines
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
-from evenflow.engine._pipeline.loss_tokens import LossTokens
+from evenflow.engine._pipeline.loss_tokens import LossTokens, step_loss_tokens
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
 from evenflow.engine._pipeline.parts import (
     check_callables,
@@ -24,6 +24,7 @@ from evenflow.engine._pipeline.parts import (
 )
 from evenflow.engine._pipeline.pass_report import PassSummary
 from evenflow.engine._pipeline.pipeline import Pipeline
+from evenflow.engine._pipeline.read_assigned import AssignedReader, shared_identity, shared_source
 from evenflow.engine._pipeline.resume import (
     STATE_FORMAT,
     STATE_VERSION,
@@ -96,6 +97,11 @@ class BalancedLoader(LoaderFacade):
             move_fn=move_fn,
             stats_callback=stats_callback,
         )
+        own_metadata_fn = getattr(source, "metadata_fn", None)
+        if metadata_fn is None and callable(own_metadata_fn):
+            # A step source (DatasetSource, IterableSource) knows its samples' token counts;
+            # in shared-dataset mode its items are indices that only it can describe.
+            metadata_fn = own_metadata_fn
         self._source = guard_one_shot(source)
         self._config = config
         self._transport, self._owns_transport = _resolve_transport(transport, config)
@@ -131,6 +137,17 @@ class BalancedLoader(LoaderFacade):
         self._source_executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="evenflow-source"
         )
+        # Shared-dataset mode: the bounded pool that reads each step's assigned samples.
+        self._assigned: AssignedReader | None = None
+        self._read_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        shared = shared_source(source)
+        if shared is not None:
+            threads = int(getattr(shared, "read_threads", 1))
+            self._read_executor = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix="evenflow-read"
+            )
+            self._assigned = AssignedReader(shared, self._read_executor, threads=threads)
+        self._dataset = shared_identity(source)
         self._pipeline: Pipeline | None = None
         self._pass_finished = False
         self._epoch = 0
@@ -391,6 +408,8 @@ class BalancedLoader(LoaderFacade):
             source_executor=self._source_executor,
             initial_iter=initial_iter,
             world=WorldRound(self._world_transport, on_uneven_end=self._config.on_uneven_end),
+            assigned=self._assigned,
+            dataset=self._dataset,
         )
         if self._launcher is not None:
             self._launcher.on_final = lambda op: (
@@ -461,13 +480,18 @@ class BalancedLoader(LoaderFacade):
         # Joins the source thread: a source blocked inside next() delays close() until it
         # returns (a thread cannot be interrupted).
         self._source_executor.shutdown(wait=True, cancel_futures=True)
+        if self._read_executor is not None:
+            self._read_executor.shutdown(wait=True, cancel_futures=True)
 
     def _deliver(self, state: StepState) -> Any:
         batch = self._stager.deliver(state.staged)
         self._delivered = state.step + 1
         self._source_state = state.source_state
         self._last_stats = state.stats
-        self._last_loss_tokens = state.loss_tokens
+        world = state.loss_world if self._world_transport is not None else state.loss_group
+        self._last_loss_tokens = step_loss_tokens(
+            state.step, state.loss_rank, state.loss_group, world
+        )
         self._last_host_batch = state.host_batch
         routes, plan = state.routes, state.plan
         if routes is not None and plan is not None:

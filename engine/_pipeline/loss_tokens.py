@@ -8,11 +8,18 @@ changes with the plan: balancing on and off would train different models. The pl
 objective is the mean over every loss target of the step in the whole world,
 ``sum(token losses) / world``, and that needs the world's count before the backward pass.
 
-Each sample's count rides in the metadata round (``SampleMetadata.loss_tokens``, filled in by
-the default pack's :func:`~evenflow.engine._pipeline.pack.with_loss_tokens`), so every rank
-knows the group's per-sample counts once the step is gathered and its own total once the
-step is planned. The world total needs one more small collective across balance groups (see
-:mod:`evenflow.engine._pipeline.world`); in a world of one balance group it is the group's.
+How the three totals of a step are found, with no collective beyond those the pipeline runs
+anyway (and the world round across groups):
+
+* ``rank``: when every sample's count rides in the metadata round
+  (``SampleMetadata.loss_tokens``, filled in by the default pack's
+  :func:`~evenflow.engine._pipeline.pack.with_loss_tokens`), from the plan; otherwise, with
+  the default pack, by counting the packed labels (samples read after planning, as in
+  shared-dataset mode, are only seen there);
+* ``group``: each rank reports its ``rank`` total for step ``s`` in the metadata round of
+  ``s + 1``, which every rank holds before step ``s`` is delivered: the sum of the reports;
+* ``world``: the sum of every rank's ``rank`` total in the world round
+  (:mod:`evenflow.engine._pipeline.world`); with one balance group it is ``group``.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import numpy as np
 from evenflow.engine._plan import Plan
 from evenflow.engine._validate import check_number
 
-__all__ = ["LossTokens", "group_loss_tokens", "rank_loss_tokens", "read_loss_tokens"]
+__all__ = ["LossTokens", "rank_loss_tokens", "step_loss_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,27 +76,6 @@ def _loss_column(message: dict[str, Any]) -> np.ndarray | None:
     return None if loss is None else np.asarray(loss, dtype=np.int64)
 
 
-def read_loss_tokens(message: dict[str, Any]) -> int | None:
-    """The loss targets a rank read for one step (its own message), ``None`` if unknown."""
-    loss = _loss_column(message)
-    return None if loss is None else int(loss.sum())
-
-
-def group_loss_tokens(messages: Sequence[dict[str, Any]]) -> int | None:
-    """The group's loss targets for one step: the sum over every rank's message.
-
-    Balancing permutes the step's samples inside the group, so this does not depend on the
-    plan. ``None`` when any rank's samples lack a count.
-    """
-    total = 0
-    for message in messages:
-        part = read_loss_tokens(message)
-        if part is None:
-            return None
-        total += part
-    return total
-
-
 def rank_loss_tokens(messages: Sequence[dict[str, Any]], plan: Plan, rank: int) -> int | None:
     """The loss targets that group rank ``rank`` trains on under ``plan``.
 
@@ -108,3 +94,12 @@ def rank_loss_tokens(messages: Sequence[dict[str, Any]], plan: Plan, rank: int) 
     if not len(fields):
         return 0
     return int(flat[offsets[fields[:, 0]] + fields[:, 2]].sum())
+
+
+def step_loss_tokens(
+    step: int, rank: int | None, group: int | None, world: int | None
+) -> LossTokens | None:
+    """The step's ``LossTokens``, or ``None`` when any total is unknown."""
+    if rank is None or group is None or world is None:
+        return None
+    return LossTokens(step=step, rank=rank, group=group, world=world)

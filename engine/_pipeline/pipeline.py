@@ -8,6 +8,10 @@
                            or leader) samples     pin, H2D    groups,     device slot is
                                       move)       staging)    if any)     free)
 
+In shared-dataset mode (:mod:`~evenflow.engine._pipeline.read_assigned`) the exchange stage is
+replaced by *read_assigned*: no collective, each rank reads its planned samples by dataset
+index on the read pool.
+
 Each stage is one coroutine driven by :meth:`Pipeline._stage`; it receives a
 :class:`StepState`, does its work inside a trace span, and forwards the state. A failure inside a
 stage is recorded on the step (``state.fail``) and the step keeps flowing, so the collectives of
@@ -34,16 +38,15 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import anyio
+import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
-from evenflow.engine._pipeline.loss_tokens import (
-    group_loss_tokens,
-    rank_loss_tokens,
-    read_loss_tokens,
-)
+from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
+from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
 from evenflow.engine._pipeline.plan_stage import PlanStage
+from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
 from evenflow.engine._pipeline.sequencer import Sequencer
 from evenflow.engine._pipeline.source import SourceReader
 from evenflow.engine._pipeline.step import (
@@ -91,6 +94,8 @@ class Pipeline:
         source_executor: concurrent.futures.Executor,
         initial_iter: Iterator[Any] | None = None,
         world: WorldRound | None = None,
+        assigned: AssignedReader | None = None,
+        dataset: dict[str, Any] | None = None,
     ) -> None:
         self._reader = SourceReader(
             source=source,
@@ -102,6 +107,10 @@ class Pipeline:
         )
         self._config = config
         self._transport = transport
+        # Shared-dataset mode: the reader of assigned samples, and the dataset identity the
+        # first metadata round compares (None in payload mode on every rank).
+        self._assigned = assigned
+        self._dataset = dataset
         self._planner = planner
         self._pack_fn = pack_fn
         self._collate_fn = collate_fn
@@ -167,7 +176,12 @@ class Pipeline:
                 tg.create_task(self._read_stage(read_s))
                 tg.create_task(self._stage("gather", read_r, gath_s, self._gather))
                 tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
-                tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                if self._assigned is None:
+                    tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                else:
+                    tg.create_task(
+                        self._stage("read_assigned", plan_r, exch_s, self._read_assigned)
+                    )
                 tg.create_task(self._stage("pack", exch_r, pack_s, self._pack))
                 # Traced only where they do work: a world of several groups, a device.
                 world_traced = self._world.spans_groups
@@ -400,6 +414,12 @@ class Pipeline:
         await self._sequencer.turn(state.step, "gather")
         prev = self._prev_status()
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
+        if state.step == self.first_step:
+            msg["dataset"] = self._dataset
+        if self._assigned is not None and state.status == "ok" and state.samples is not None:
+            msg["indices"] = np.fromiter(
+                (s.dataset_index for s in state.samples), dtype=np.int64, count=len(state.samples)
+            )
         try:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
@@ -408,7 +428,17 @@ class Pipeline:
         await self._sequencer.advance(state.step, "gather")
         self.gathered_step = state.step
         self._confirm_prev([m.get("prev") for m in messages])
-        self._judge_round(state, messages)
+        mismatch = None
+        if state.step == self.first_step:
+            mismatch = dataset_mismatch(
+                [m.get("dataset") for m in messages],
+                self._global_ranks,
+                where=f"Step {state.step}",
+            )
+        if mismatch is not None:
+            state.remote, state.terminal = mismatch, True
+        else:
+            self._judge_round(state, messages)
         if state.terminal and state.status == "end":
             self.final_round = state
             if state.uneven is not None and state.remote is None:
@@ -511,6 +541,25 @@ class Pipeline:
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
 
+    # -- read_assigned (shared-dataset mode) ----------------------------------------------
+
+    async def _read_assigned(self, state: StepState) -> None:
+        """Take the exchange turn without a collective (every rank is in shared mode), then
+        read this rank's planned samples by dataset index."""
+        if state.terminal:
+            return
+        await self._sequencer.turn(state.step, "exchange")
+        self.exchanged_step = state.step
+        self.notify()
+        await self._sequencer.advance(state.step, "exchange")
+        if state.error is not None or state.routes is None or state.messages is None:
+            return
+        assert self._assigned is not None
+        try:
+            state.received = await self._assigned.read(state.step, state.routes, state.messages)
+        except Exception as exc:
+            state.fail("read_assigned", exc)
+
     def _outgoing(self, state: StepState) -> dict[int, list[tuple[Any, Any]]]:
         assert state.samples is not None and state.routes is not None
         local = state.samples
@@ -525,8 +574,7 @@ class Pipeline:
             return
         messages, plan = state.messages, state.plan
         if messages is not None and plan is not None:
-            state.loss_read = read_loss_tokens(messages[self._rank])
-            state.loss_group = group_loss_tokens(messages)
+            # From the samples' metadata; the default pack counts its bins below otherwise.
             state.loss_rank = rank_loss_tokens(messages, plan, self._rank)
         if state.error is None and state.remote is None and state.routes is not None:
             # A free device slot and no earlier step waiting for one: stage now, so that a
@@ -563,7 +611,7 @@ class Pipeline:
         for keys in routes.bins:
             samples = []
             for key in keys:
-                if key[0] == rank:
+                if key[0] == rank and self._assigned is None:
                     samples.append(local[key[2]])
                 else:
                     try:
@@ -574,6 +622,10 @@ class Pipeline:
                             f"it at step {state.step}; the exchange lost data."
                         ) from None
             packed.append(self._pack_fn(samples, self._config.seq_len))
+        if state.loss_rank is None and self._pack_fn is default_pack_fn:
+            # Samples read after planning (shared-dataset mode) carry no count in the
+            # metadata: the packed labels say exactly what the rank trains on.
+            state.loss_rank = sum(map(count_loss_tokens, packed))
         try:
             batch = self._collate_fn(packed)
         except Exception as exc:

@@ -82,11 +82,10 @@ class StepState:
     received: dict[Any, Any] = field(default_factory=dict)
     host_batch: Any = None
     staged: Any = None
-    # Loss targets: this rank's read, its planned batch's and its group's (None: unknown).
-    loss_read: int | None = None
+    # Loss targets of this rank's planned batch, its group and the world (None: unknown).
     loss_rank: int | None = None
     loss_group: int | None = None
-    loss_tokens: Any = None  # the LossTokens delivered with the step
+    loss_world: int | None = None
     world_end: Any = None  # the UnevenEnd when another balance group ended at this step
     staged_now: bool = False  # staged in ``pack`` (else it waited on the host, pinned)
     device_slot: bool = False  # holds one of the pipeline's device slots

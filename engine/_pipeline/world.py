@@ -1,15 +1,15 @@
 """The world round: one small all-gather per step across balance groups, on the loader's own
 world transport.
 
-A balance group knows its own loss targets from its metadata round, but the plan-free loss
+A balance group learns its own loss targets from its metadata rounds, but the plan-free loss
 normaliser is the whole data-parallel world's count (see
 :mod:`evenflow.engine._pipeline.loss_tokens`). When the world holds more than one balance
 group, every balanced rank takes part in one more collective per step over a transport that
 spans one rank per data-parallel coordinate (``build_loader`` creates it as a Gloo group of the
 constructors: never a training group). Each rank sends a few plain values: the step, its
-status for the step, the loss targets it read, and what it read (for the end-of-pass report).
-Because balancing never moves a sample across groups, the sum of what the ranks *read* is the
-world's total, whatever each group planned.
+status for the step, the loss targets of its packed batch, and what it read (for the
+end-of-pass report). Every sample of the world is packed by exactly one rank, so the sum is
+the world's total, whatever each group planned.
 
 Ordering (invariant 1): the round is a pipeline stage after ``pack``, so each rank issues the
 rounds in step order from one task, and the transport runs them on its own single-worker
@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from evenflow.engine._pipeline.loss_tokens import LossTokens
 from evenflow.engine._pipeline.pass_report import RankUnread, UnevenEnd
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import GroupMismatchError, RemoteStageError, SourceExhaustedError
@@ -61,7 +60,7 @@ def _status(state: StepState) -> str:
 
 
 class WorldRound:
-    """Completes each step's :class:`LossTokens` and applies the world's verdict.
+    """Sums each step's loss tokens over the world and applies the world's verdict.
 
     ``transport=None``: the balance group is the whole world; the world total is the group's
     and no collective is issued. Call :meth:`run` once per step, in step order, from one task.
@@ -83,8 +82,7 @@ class WorldRound:
 
     async def run(self, state: StepState) -> None:
         if self._transport is None:
-            self._complete(state, state.loss_group)
-            return
+            return  # the group is the world: its total arrives with the next metadata round
         if self._stopped:
             return
         status = _status(state)
@@ -93,7 +91,7 @@ class WorldRound:
             "step": state.step,
             "status": status,
             "end_reason": state.end_reason,
-            "loss": state.loss_read if status == "ok" else 0,
+            "loss": state.loss_rank if status == "ok" else 0,
             "samples": 0 if state.sizes is None else sum(state.sizes),
             "tokens": 0 if state.metas is None else sum(m.tokens for m in state.metas),
             "left": state.steps_left,
@@ -172,16 +170,8 @@ class WorldRound:
                     logger.warning("%s", uneven.message("stop"))
             return
         losses = [m.get("loss") for m in messages]
-        world = None if any(not isinstance(v, int) for v in losses) else sum(losses)
-        self._complete(state, world)
-
-    @staticmethod
-    def _complete(state: StepState, world: int | None) -> None:
-        if state.loss_rank is None or state.loss_group is None or world is None:
-            return
-        state.loss_tokens = LossTokens(
-            step=state.step, rank=state.loss_rank, group=state.loss_group, world=world
-        )
+        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in losses):
+            state.loss_world = sum(losses)
 
 
 def _error_summary(value: Any) -> tuple[str, str, bool]:
