@@ -40,8 +40,9 @@ def confirm_prev(
     if prev is None or prev.confirmed is None:
         return
     losses = [p.get("loss") if isinstance(p, dict) else None for p in prevs]
-    if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in losses):
-        prev.loss_group = sum(losses)
+    counts = [v for v in losses if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if len(counts) == len(losses):
+        prev.loss_group = sum(counts)
     if prev.error is None:
         for sender, p in enumerate(prevs):
             info = p.get("error") if isinstance(p, dict) else None
