@@ -4,6 +4,8 @@ What it shows:
 
 * ranks taken from torchrun's environment, NCCL and the device data plane on GPUs, Gloo and
   host batches on CPU;
+* a tokenized ``datasets.Dataset`` (``input_ids`` and prompt-masked ``labels``) read through
+  ``DatasetSource``: shuffled per epoch, packed into bins, resumable;
 * ``default_pack_fn``'s packed bins splatted straight into a Hugging Face model
   (``input_ids``, ``labels``, ``position_ids`` ``[1, T]``, ``cu_seq_lens_q/k``,
   ``max_length_q/k``) with ``use_cache=False``: with a cache, the samples of a bin would
@@ -16,8 +18,9 @@ What it shows:
 * the two launch points (``prefetch_plan()`` after the first forward, ``prefetch()`` after the
   backward passes).
 
-The model is a tiny random-weight Llama built from a config (nothing is downloaded); rank 0
-reads longer samples than the others, so balancing moves samples every step. Run it with::
+The model is a tiny random-weight Llama built from a config and the data an in-memory
+``datasets.Dataset`` read by ``DatasetSource(shared=True)`` (every rank can read it, so only
+indices travel); nothing is downloaded. Run it with::
 
     torchrun --standalone --nproc-per-node 2 examples/hf_training_loop.py
 
@@ -30,15 +33,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
+import datasets
 import torch
 import torch.distributed as dist
 import transformers
 from torch.nn.parallel import DistributedDataParallel
 
-from evenflow.engine import LoaderConfig, build_loader
+from evenflow.engine import DatasetSource, LoaderConfig, build_loader
 
 VOCAB = 256
 
@@ -59,25 +62,20 @@ def tiny_llama(seq_len: int) -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
-def token_steps(rank: int, num_steps: int, seq_len: int) -> Iterator[list[list[dict[str, Any]]]]:
-    """This rank's steps: 2 bins of samples; half of them mask a prompt out of the loss."""
-    gen = torch.Generator().manual_seed(1000 + rank)
-    for _ in range(num_steps):
-        bins = []
-        for _ in range(2):
-            # Rank 0 packs two long samples per bin, the others several short ones.
-            top = seq_len // 2 if rank == 0 else seq_len // 6
-            count = 2 if rank == 0 else 5
-            lengths = torch.randint(top // 2, top, (count,), generator=gen).tolist()
-            samples = []
-            for j, n in enumerate(lengths):
-                ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
-                if j % 2:  # a prompt-masked sample: no loss on its first third
-                    samples.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3 :]})
-                else:
-                    samples.append({"input_ids": ids})
-            bins.append(samples)
-        yield bins
+def tokenized_dataset(num_samples: int, seq_len: int) -> datasets.Dataset:
+    """A stand-in for a tokenized SFT set, identical on every rank (seeded): lengths from
+    short to ``seq_len / 2``, and every other sample masks a prompt out of the loss."""
+    gen = torch.Generator().manual_seed(7)
+    rows: dict[str, list[list[int]]] = {"input_ids": [], "labels": []}
+    for i in range(num_samples):
+        # Mostly short samples and a few long ones: what makes packed steps uneven.
+        top = seq_len // 2 if i % 5 == 0 else seq_len // 8
+        n = int(torch.randint(4, top, (1,), generator=gen))
+        ids = torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        prompt = n // 3 if i % 2 else 0
+        rows["input_ids"].append(ids)
+        rows["labels"].append([-100] * prompt + ids[prompt:])
+    return datasets.Dataset.from_dict(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,9 +96,19 @@ def main(argv: list[str] | None = None) -> int:
 
     model = DistributedDataParallel(tiny_llama(args.seq_len).to(device))  # use_cache=False
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    config = LoaderConfig(seq_len=args.seq_len, bins_per_rank=2, log_stats=False)
+    config = LoaderConfig(
+        seq_len=args.seq_len, bins_per_rank=2, max_steps=args.steps, log_stats=False
+    )
+    source = DatasetSource(  # shuffled per epoch, packed into 2 bins per step, resumable
+        tokenized_dataset(400, args.seq_len),  # a datasets.Dataset: input_ids, labels
+        seq_len=config.seq_len,
+        bins_per_rank=config.bins_per_rank,
+        rank=rank,  # data-parallel position
+        num_ranks=world_size,
+        shared=True,  # every rank can read the dataset: only indices travel
+    )
     loader = build_loader(
-        token_steps(rank, args.steps, args.seq_len),  # 2 bins of samples per step
+        source,
         config,
         cost_model=model.module.config.to_dict(),  # FLOPs model from the HF config
         transport="device" if cuda else "gloo",  # NCCL on a data stream, or Gloo on CPU

@@ -86,7 +86,12 @@ def test_readme_loop_is_the_hf_example_loop() -> None:
     section = _loop_block(readme, "## In your training loop", "\n## ")
     fenced = _loop_block(section, "```python illustrative\n", "```")
     assert fenced.endswith(region), "README.md's loop differs from examples/hf_training_loop.py"
-    for must in ("use_cache=False", "num_items_in_batch=tokens.world", 'os.environ["RANK"]'):
+    for must in (
+        "use_cache=False",
+        "num_items_in_batch=tokens.world",
+        'os.environ["RANK"]',
+        "DatasetSource(",
+    ):
         assert must in region
 
 
@@ -113,11 +118,12 @@ def test_hf_training_loop(tmp_path: Path) -> None:
     )
     lines = re.findall(pattern, out)
     assert [int(line[0]) for line in lines] == [0, 1, 2], out
-    for _, loss, world, mine, before, after, moved in lines:
+    for _, loss, world, mine, before, after, _moved in lines:
         # A random-weight model over 256 tokens: the mean token loss is about ln(256) = 5.55.
         assert 4.5 < float(loss) < 6.5, out
         assert 0 < int(mine) < int(world), out
-        assert float(after) < float(before) and int(moved) > 0, out
+        assert float(after) <= float(before), out  # never worse than the source
+    assert any(int(line[-1]) > 0 for line in lines), out  # balancing moved samples
 
 
 def test_async_loop_with_hooks(tmp_path: Path) -> None:

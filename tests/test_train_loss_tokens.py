@@ -17,6 +17,7 @@ from testkit.loaders import DEADLINE, run_in_threads, run_in_threads_or_raise
 
 from evenflow.engine import (
     BalancedLoader,
+    DatasetSource,
     IndexedSample,
     LoaderConfig,
     LossTokens,
@@ -226,3 +227,30 @@ def test_a_failure_in_one_group_stops_every_group_at_that_step() -> None:
         assert isinstance(errors[rank], RemoteStageError), errors[rank]
         assert errors[rank].failed_rank == 3 and errors[rank].step == 2
     assert isinstance(errors[2], RemoteStageError)  # its own group's peer
+
+
+def test_shared_dataset_mode_counts_the_packed_labels() -> None:
+    """Shared-dataset mode plans dataset indices and reads the samples afterwards: the counts
+    come from the packed labels, and the group's total from the ranks' reports."""
+    datasets = pytest.importorskip("datasets")
+    rng = np.random.default_rng(5)
+    rows: dict[str, list[Any]] = {"input_ids": [], "labels": []}
+    for i in range(60):
+        n = int(rng.integers(2, 30))
+        tokens = [i % 97] * n
+        rows["input_ids"].append(tokens)
+        rows["labels"].append([-100] * (n // 2) + tokens[n // 2 :])  # a masked prompt
+    data = datasets.Dataset.from_dict(rows)
+    group = InProcessGroup(2, timeout=DEADLINE)
+    config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=BINS, log_stats=False, max_steps=3)
+    loaders = []
+    for r in range(2):
+        source = DatasetSource(
+            data, seq_len=SEQ_LEN, bins_per_rank=BINS, rank=r, num_ranks=2, shared=True
+        )
+        loaders.append(BalancedLoader(source, config=config, transport=group.transport(r)))
+    results = run_in_threads_or_raise(loaders, _record)
+    for step in range(3):
+        a, b = (results[r][step] for r in range(2))
+        assert a["tokens"].rank == a["counted"] and b["tokens"].rank == b["counted"]
+        assert a["tokens"].group == b["tokens"].world == a["counted"] + b["counted"]
