@@ -228,7 +228,6 @@ def _fake_results(ratio: float, share: float) -> tuple[dict[str, object], list[d
                 "start_unix": 100.0 + s,
                 "step_s": 0.05,
                 "wait_s": 0.001,
-                "tokens_s": 0.0,
                 "compute_s": ratio * t * 1e-3 / share,
                 "compute_cpu_s": ratio * t * 1e-3,
                 "sync_s": 0.0,

@@ -85,7 +85,7 @@ def _draw_timeline(
         for name in names:
             for s in shown:
                 rec = arms[name]["timeline"][rank][s]
-                start = rec["start_unix"] - origin + rec["wait_s"] + rec["tokens_s"]
+                start = rec["start_unix"] - origin + rec["wait_s"]
                 ax.broken_barh(
                     [(start, rec["compute_s"])], (y - 0.35, 0.7), color=ARM_COLOURS[name]
                 )

@@ -30,7 +30,6 @@ from typing import Any
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.loader import BalancedLoader
-from evenflow.engine._pipeline.pack import count_loss_tokens
 from evenflow.engine._planning.cost import QuadraticCost, TokenCost
 from evenflow.engine._planning.flops import FlopsCost
 from evenflow.engine._sources.dataset import DatasetSource
@@ -168,11 +167,12 @@ class _Arm:
         batch = next(self.iterator, None)
         if batch is None:
             return False
-        t0 = time.perf_counter()
-        # The world's loss tokens for this step: the same on every rank, whatever the plan.
-        world_tokens = torch.tensor([sum(count_loss_tokens(p) for p in batch)], dtype=torch.int64)
-        dist.all_reduce(world_tokens)
-        divisor = max(int(world_tokens.item()), 1)
+        # The world's loss tokens for this step, the same on every rank whatever the plan:
+        # the loader counted them in its metadata round. The gradient all-reduce below sums,
+        # so the divide factor is 1.
+        totals = self.loader.last_loss_tokens
+        assert totals is not None, "the default pack_fn always counts loss tokens"
+        scale = totals.loss_scale(1.0)
         t1, cpu1 = time.perf_counter(), time.thread_time()
         loss_sum, tokens, samples, bins = 0.0, 0, 0, []
         for packed in batch:
@@ -180,7 +180,7 @@ class _Arm:
             cu = packed["cu_seq_lens_q"]
             logits = self.model(packed["input_ids"], packed["position_ids"], cu)
             loss, _ = packed_loss(logits, packed["labels"])
-            (loss / divisor).backward()
+            (loss * scale).backward()
             loss_sum += float(loss.item())
             lengths = torch.diff(cu).tolist()
             bins.append([lengths, time.thread_time() - b0])
@@ -201,7 +201,6 @@ class _Arm:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t4 = time.perf_counter()
-        self.tracer.add("train/loss-tokens", step, t0, t1)
         self.tracer.add("train/forward+backward", step, t1, t2)
         self.tracer.add("train/all-reduce", step, t2, t3)
         self.tracer.add("train/optimizer", step, t3, t4)
@@ -210,14 +209,13 @@ class _Arm:
                 "step": step,
                 "start_unix": started_unix,
                 "step_s": t4 - started,
-                "wait_s": t0 - started,
-                "tokens_s": t1 - t0,
+                "wait_s": t1 - started,
                 "compute_s": t2 - t1,
                 "compute_cpu_s": cpu2 - cpu1,
                 "sync_s": t3 - t2,
                 "optimizer_s": t4 - t3,
-                "loss": float(flat[-1].item()) / divisor,  # the world's mean token loss
-                "loss_tokens": divisor,
+                "loss": float(flat[-1].item()) * scale,  # the world's mean token loss
+                "loss_tokens": totals.world,
                 "tokens": tokens,
                 "samples": samples,
                 "bins": bins,

@@ -116,7 +116,6 @@ def _arm_summary(arm: str, results: Sequence[dict[str, Any]], per_bin: float) ->
                     for k in (
                         "start_unix",
                         "wait_s",
-                        "tokens_s",
                         "compute_s",
                         "sync_s",
                         "optimizer_s",
