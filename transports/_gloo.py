@@ -29,6 +29,13 @@ size 0) and is instead copied, once, straight into the end of the receive buffer
 while the peers' bytes are in flight, the same overlap Gloo gives its own local copy. The
 engine never sends a rank its own samples, so that path matters only to direct callers.
 
+**Sized exchange: one collective.** ``exchange_sized`` is the engine's path: every sample
+was prepared for the wire when it was read and its frame size travelled in the metadata round,
+so every receiver sizes its buffer from ``incoming`` and the exchange is ONE uint8
+``all_to_all_single`` (:mod:`evenflow.transports._sized`): the sender writes its frames into
+the send buffer, the collective runs, the receiver decodes each frame. The sizes step of
+``exchange`` is what this saves; ``exchange`` keeps it for callers that cannot know the sizes.
+
 **Buffers.** One grow-only send buffer per transport is reused by every exchange (nothing
 refers to it once the data step has returned), and large receives land in pooled buffers
 (:class:`_ReceivePool`): the first-touch page faults of fresh multi-MiB buffers were measured
@@ -62,6 +69,13 @@ from evenflow.transports._protocol import (
     membership,
     open_group,
     pack_outgoing,
+)
+from evenflow.transports._sized import (
+    SizedIncoming,
+    SizedOutgoing,
+    check_sized,
+    decode_segments,
+    write_segments,
 )
 from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError
@@ -212,6 +226,18 @@ class GlooTransport(Transport):
         self._check_routes(outgoing)
         return await self._run("exchange", functools.partial(self._exchange, outgoing))
 
+    async def exchange_sized(
+        self, outgoing: SizedOutgoing, incoming: SizedIncoming
+    ) -> dict[Hashable, Any]:
+        """One ``all_to_all_single``, its splits from the prepared sizes and ``incoming``."""
+        self._check_open("exchange")
+        send, recv = check_sized(
+            self.rank, self.num_ranks, outgoing, incoming, limit=self._proto.limit
+        )
+        return await self._run(
+            "exchange", functools.partial(self._exchange_sized, outgoing, incoming, send, recv)
+        )
+
     async def aclose(self) -> None:
         """Join the collective thread and destroy the group this transport created."""
         if not self._closed:
@@ -248,6 +274,35 @@ class GlooTransport(Transport):
                 f"Rank {self.rank}: {op} was cancelled while in flight.", rank=self.rank, op=op
             )
             raise
+
+    def _exchange_sized(
+        self,
+        outgoing: SizedOutgoing,
+        incoming: SizedIncoming,
+        send: list[int],
+        recv: list[int],
+    ) -> dict[Hashable, Any]:
+        total = sum(send)
+        buffer = self._send_buffer
+        if buffer is None or buffer.size < total:
+            # Grow-only, as for exchange: nothing refers to it once a collective returned.
+            buffer = self._send_buffer = np.empty(total + total // 4, dtype=np.uint8)
+        send_bytes = buffer[:total]
+        write_error = write_segments(outgoing, send, send_bytes)
+        received = self._receive_pool.lease(sum(recv))
+        self._channel.collective(
+            "exchange",
+            lambda: dist.all_to_all_single(
+                torch.from_numpy(received),
+                torch.from_numpy(send_bytes),
+                output_split_sizes=recv,
+                input_split_sizes=send,
+                group=self._group,
+            ),
+        )
+        if write_error is not None:
+            raise write_error
+        return decode_segments(received, incoming, recv, rank=self.rank, limit=self._proto.limit)
 
     def _exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         op = "exchange"
