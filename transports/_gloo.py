@@ -282,27 +282,50 @@ class GlooTransport(Transport):
         send: list[int],
         recv: list[int],
     ) -> dict[Hashable, Any]:
-        total = sum(send)
+        me, limit = self.rank, self._proto.limit
+        # The frames a rank sends itself skip the collective (split size 0), as in exchange:
+        # they are written straight into the end of the receive buffer and decoded while
+        # the peers' bytes are in flight.
+        peer_send, peer_recv = list(send), list(recv)
+        peer_send[me] = peer_recv[me] = 0
+        total = sum(peer_send)
         buffer = self._send_buffer
         if buffer is None or buffer.size < total:
             # Grow-only, as for exchange: nothing refers to it once a collective returned.
             buffer = self._send_buffer = np.empty(total + total // 4, dtype=np.uint8)
         send_bytes = buffer[:total]
-        write_error = write_segments(outgoing, send, send_bytes)
-        received = self._receive_pool.lease(sum(recv))
-        self._channel.collective(
+        peers = {target: items for target, items in outgoing.items() if target != me}
+        write_error = write_segments(peers, peer_send, send_bytes)
+        from_peers, mine = sum(peer_recv), recv[me]
+        received = self._receive_pool.lease(from_peers + mine)
+        own_sizes = [0] * self.num_ranks
+        own_sizes[me] = mine
+        own_errors: list[Exception | None] = [None]
+
+        def local() -> dict[Hashable, Any]:
+            if not mine:
+                return {}
+            frames = received[from_peers:]
+            own_errors[0] = write_segments({me: outgoing[me]}, own_sizes, frames)
+            return decode_segments(frames, incoming, own_sizes, rank=me, limit=limit)
+
+        own = self._channel.overlapped(
             "exchange",
             lambda: dist.all_to_all_single(
-                torch.from_numpy(received),
+                torch.from_numpy(received[:from_peers]),
                 torch.from_numpy(send_bytes),
-                output_split_sizes=recv,
-                input_split_sizes=send,
+                output_split_sizes=peer_recv,
+                input_split_sizes=peer_send,
                 group=self._group,
+                async_op=True,
             ),
+            local,
         )
-        if write_error is not None:
-            raise write_error
-        return decode_segments(received, incoming, recv, rank=self.rank, limit=self._proto.limit)
+        if write_error is not None or own_errors[0] is not None:
+            raise write_error or own_errors[0]  # type: ignore[misc]
+        result = decode_segments(received[:from_peers], incoming, peer_recv, rank=me, limit=limit)
+        result.update(own)
+        return result
 
     def _exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         op = "exchange"
