@@ -11,9 +11,10 @@
  * 1. Ranks. Overlap W[r][s] = weight of the samples of new rank r read by rank s. The labels
  *    maximise sum_r W[r][perm[r]]: an assignment problem, solved exactly (Hungarian method,
  *    O(R^3) in exact integers) up to EXACT_ASSIGN ranks; above, greedily (overlaps in
- *    descending order, a pair taken when both ends are free, the rest matched in index order:
- *    O(n log n), at least half the optimal overlap). Either way the identity is kept unless
- *    the new labels keep strictly more weight, so relabelling never increases movement.
+ *    descending order, a pair taken when both ends are free, the rest matched in index order;
+ *    each rank offers its TOP_PAIRS largest overlaps: O(n + R log R)). Either way the
+ *    identity is kept unless the new labels keep strictly more weight, so relabelling never
+ *    increases movement.
  * 2. Bins within each rank, the same way, against the bins the samples came from.
  * 3. Homecoming (makespan only, no packing budgets). In passes over the samples in canonical
  *    order, a sample away from its source rank h goes back when h stays at or below `limit`
@@ -32,7 +33,11 @@
 #include <string.h>
 
 #define EXACT_ASSIGN 128
+#define TOP_PAIRS 8
 #define HOME_PASSES 4
+/* Swap partners examined per sample, from the cheapest admissible one up: bounds a pass at
+   O(n log n) however wide the ranks' slack. */
+#define SWAP_SCAN 8
 
 typedef struct {
     int64_t w, row, col;
@@ -160,17 +165,25 @@ static int assign_labels(Py_ssize_t g, Py_ssize_t m, const int64_t *row, const i
                     if (acc[col[k]] == 0) touched[nt++] = col[k];
                     acc[col[k]] += w[k];
                 }
+                /* Only the row's TOP_PAIRS largest overlaps enter the greedy: a row rarely
+                   takes a column past them, and sorting every pair would cost O(n log n). */
+                Py_ssize_t kept = 0;
+                overlap_t *mine = pairs + np;
                 for (Py_ssize_t t = 0; t < nt; t++) {
                     int64_t c = touched[t];
-                    if (acc[c] > 0) {
-                        pairs[np].w = acc[c];
-                        pairs[np].row = r;
-                        pairs[np].col = c;
-                        np++;
-                    }
+                    overlap_t cand = {acc[c], r, c};
                     if (c == r) identity += acc[c];
                     acc[c] = 0;
+                    if (cand.w <= 0) continue;
+                    if (kept == TOP_PAIRS && overlap_order(&cand, &mine[kept - 1]) >= 0) continue;
+                    Py_ssize_t k = kept < TOP_PAIRS ? kept++ : kept - 1;
+                    while (k > 0 && overlap_order(&cand, &mine[k - 1]) < 0) {
+                        mine[k] = mine[k - 1];
+                        k--;
+                    }
+                    mine[k] = cand;
                 }
+                np += kept;
             }
             qsort(pairs, (size_t)np, sizeof(overlap_t), overlap_order);
             for (Py_ssize_t r = 0; r < g; r++) proposal[r] = -1;
@@ -235,9 +248,12 @@ typedef struct {
     Py_ssize_t n, per;
     int64_t seq_len;
     const double *cost;
-    const int64_t *tok, *home;
+    const int64_t *tok, *home, *home_rank;
     list_t *members;
     int64_t *bin_of, *bin_tok;
+    int64_t *rank_of;  /* bin_of / per, kept so the scans divide nothing */
+    int64_t *version;  /* per rank: bumped whenever the rank gains or loses a sample */
+    int64_t *tried;    /* per sample: version[p] + version[h] when it last found nothing */
     double *load;
 } home_t;
 
@@ -246,6 +262,9 @@ static int home_relocate(home_t *s, int64_t i, int64_t dst) {
     if (list_push(&s->members[dst], i) < 0) return -1;
     list_remove(&s->members[src], i);
     s->bin_of[i] = dst;
+    s->rank_of[i] = dst / s->per;
+    s->version[src / s->per]++;
+    s->version[dst / s->per]++;
     s->bin_tok[src] -= s->tok[i];
     s->bin_tok[dst] += s->tok[i];
     s->load[src / s->per] -= s->cost[i];
@@ -253,15 +272,44 @@ static int home_relocate(home_t *s, int64_t i, int64_t dst) {
     return 0;
 }
 
-/* One homecoming pass (see the file comment); the number of changes, or -1 on no memory. */
-static Py_ssize_t home_pass(home_t *s, double limit) {
+/* A sample in the cost index: (cost, index), sorted once per settle. */
+typedef struct {
+    double cost;
+    int64_t id;
+} indexed_t;
+
+static int indexed_order(const void *pa, const void *pb) {
+    const indexed_t *a = (const indexed_t *)pa, *b = (const indexed_t *)pb;
+    if (a->cost != b->cost) return a->cost < b->cost ? -1 : 1;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+/* One homecoming pass (see the file comment); the number of changes, or -1 on no memory.
+   A swap partner's cost must lie in [ci - slack of h, ci + slack of p]: it is found by
+   binary search in h's part of a cost index, rebuilt when the pass starts from the global
+   cost order `by_cost` by a stable counting sort on each sample's current rank (O(n)).
+   Samples that moved during the pass are re-checked before use (an entry whose sample left
+   h is skipped), so the index only ever hides candidates until the next pass. */
+static Py_ssize_t home_pass(home_t *s, double limit, const indexed_t *by_cost, indexed_t *index,
+                            int64_t *rank_start, Py_ssize_t ranks) {
     Py_ssize_t per = s->per, changes = 0;
     int64_t seq_len = s->seq_len;
+    for (Py_ssize_t r = 0; r <= ranks; r++) rank_start[r] = 0;
+    for (Py_ssize_t i = 0; i < s->n; i++) rank_start[s->rank_of[i] + 1]++;
+    for (Py_ssize_t r = 0; r < ranks; r++) rank_start[r + 1] += rank_start[r];
+    for (Py_ssize_t k = 0; k < s->n; k++) {
+        int64_t r = s->rank_of[by_cost[k].id];
+        index[rank_start[r]++] = by_cost[k];
+    }
+    for (Py_ssize_t r = ranks; r > 0; r--) rank_start[r] = rank_start[r - 1];
+    rank_start[0] = 0;
     for (Py_ssize_t i = 0; i < s->n; i++) {
-        int64_t x = s->bin_of[i], p = x / per, hb = s->home[i], h = hb / per;
+        int64_t x = s->bin_of[i], p = s->rank_of[i], hb = s->home[i], h = s->home_rank[i];
         int64_t ti = s->tok[i];
         double ci = s->cost[i];
         if (p == h || ti > seq_len) continue;
+        /* Nothing worked last time and neither rank changed since: nothing will now. */
+        if (s->tried[i] == s->version[p] + s->version[h]) continue;
         if (s->members[x].n >= 2 && s->load[h] + ci <= limit) {
             int64_t y = -1;
             if (s->bin_tok[hb] + ti <= seq_len) {
@@ -279,30 +327,36 @@ static Py_ssize_t home_pass(home_t *s, double limit) {
             }
         }
         /* A swap with an away sample of h: one that belongs on p first. */
+        double lo = ci - (limit - s->load[h]), hi = ci + (limit - s->load[p]);
+        Py_ssize_t a = rank_start[h], z = rank_start[h + 1];
+        while (a < z) {
+            Py_ssize_t mid = a + (z - a) / 2;
+            if (index[mid].cost < lo) a = mid + 1;
+            else z = mid;
+        }
         int64_t best = -1;
-        int best_home = 0;
-        for (int64_t b = h * per; b < (h + 1) * per && !best_home; b++) {
-            const list_t *l = &s->members[b];
-            for (Py_ssize_t k = 0; k < l->n; k++) {
-                int64_t j = l->v[k];
-                int64_t hj = s->home[j] / per;
-                if (hj == h || s->tok[j] > seq_len) continue;
-                if (s->bin_tok[x] - ti + s->tok[j] > seq_len) continue;
-                if (s->bin_tok[b] - s->tok[j] + ti > seq_len) continue;
-                if (s->load[h] - s->cost[j] + ci > limit) continue;
-                if (s->load[p] - ci + s->cost[j] > limit) continue;
-                if (hj == p) {
-                    best = j;
-                    best_home = 1;
-                    break;
-                }
-                if (best < 0) best = j;
+        Py_ssize_t last = a + SWAP_SCAN < rank_start[h + 1] ? a + SWAP_SCAN : rank_start[h + 1];
+        for (Py_ssize_t k = a; k < last && index[k].cost <= hi; k++) {
+            int64_t j = index[k].id;
+            int64_t hj = s->home_rank[j];
+            if (s->rank_of[j] != h || hj == h || s->tok[j] > seq_len) continue;
+            int64_t yb = s->bin_of[j];
+            if (s->bin_tok[x] - ti + s->tok[j] > seq_len) continue;
+            if (s->bin_tok[yb] - s->tok[j] + ti > seq_len) continue;
+            if (s->load[h] - s->cost[j] + ci > limit) continue;
+            if (s->load[p] - ci + s->cost[j] > limit) continue;
+            if (best < 0) best = j;
+            if (hj == p) {
+                best = j;
+                break;
             }
         }
         if (best >= 0) {
             int64_t yb = s->bin_of[best];
             if (home_relocate(s, i, yb) < 0 || home_relocate(s, best, x) < 0) return -1;
             changes++;
+        } else {
+            s->tried[i] = s->version[p] + s->version[h];
         }
     }
     return changes;
@@ -437,9 +491,32 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
                 load[b / per] += cost[members[b].v[k]];
             }
         }
-        home_t s = {n, per, (int64_t)seq_len, cost, tok, home, members, bin_of, bin_tok, load};
+        /* rows and cols are free again: the source and current rank of every sample. */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            rows[i] = home[i] / per;
+            cols[i] = bin_of[i] / per;
+        }
+        int64_t *version = calloc((size_t)ranks, sizeof(int64_t));
+        int64_t *tried = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+        if (tried != NULL) {
+            for (Py_ssize_t i = 0; i < n; i++) tried[i] = -1;
+        }
+        home_t s = {n,    per,  (int64_t)seq_len, cost,    tok,     home,  rows,
+                    members, bin_of, bin_tok,     cols, version, tried, load};
+        indexed_t *index = malloc(sizeof(indexed_t) * (size_t)(n > 0 ? n : 1));
+        indexed_t *by_cost = malloc(sizeof(indexed_t) * (size_t)(n > 0 ? n : 1));
+        int64_t *rank_start = malloc(sizeof(int64_t) * (size_t)(ranks + 2));
+        if (by_cost != NULL) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                by_cost[i].cost = cost[i];
+                by_cost[i].id = i;
+            }
+            qsort(by_cost, (size_t)n, sizeof(indexed_t), indexed_order);
+        }
         for (int pass = 0; pass < HOME_PASSES; pass++) {
-            Py_ssize_t done_now = home_pass(&s, limit);
+            Py_ssize_t done_now = index && by_cost && rank_start && version && tried
+                                      ? home_pass(&s, limit, by_cost, index, rank_start, ranks)
+                                      : -1;
             if (done_now < 0) {
                 failed = 1;
                 break;
@@ -447,6 +524,11 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
             changes += done_now;
             if (done_now == 0) break;
         }
+        free(index);
+        free(by_cost);
+        free(rank_start);
+        free(version);
+        free(tried);
     }
     if (!failed) {
         int64_t *out_flat = (int64_t *)of_b.buf, *out_sizes = (int64_t *)os_b.buf;

@@ -116,13 +116,15 @@ def _capacity(problem: BalanceProblem, costs: np.ndarray) -> float:
     if others_needed == 0 and (not capacity_applies or need <= 0):
         return 0.0
     count = min(_CAPACITY_CANDIDATES, n)
-    candidates = np.lexsort((np.arange(n), -costs))[:count]
-    cheapest = np.lexsort((np.arange(n), costs))[: others_needed + 1]
-    density_order = np.lexsort((np.arange(n), costs / tokens))
-    dens_tokens = np.concatenate([[0], np.cumsum(tokens[density_order])])
-    dens_costs = np.concatenate([[0.0], np.cumsum(costs[density_order])])
-    position = np.empty(n, dtype=np.int64)
-    position[density_order] = np.arange(n, dtype=np.int64)
+    candidates = _extreme(costs, count, largest=True)
+    cheapest = _extreme(costs, min(others_needed + 1, n), largest=False)
+    cover_needed = capacity_applies and need - int(tokens[candidates].min()) > 0
+    if cover_needed:
+        density_order = np.lexsort((np.arange(n), costs / tokens))
+        dens_tokens = np.concatenate([[0], np.cumsum(tokens[density_order])])
+        dens_costs = np.concatenate([[0.0], np.cumsum(costs[density_order])])
+        position = np.empty(n, dtype=np.int64)
+        position[density_order] = np.arange(n, dtype=np.int64)
     best = 0.0
     for i in candidates.tolist():
         count_part = 0.0
@@ -131,7 +133,7 @@ def _capacity(problem: BalanceProblem, costs: np.ndarray) -> float:
             count_part = float(costs[picked].sum()) if picked.size == others_needed else 0.0
         cover_part = 0.0
         want = need - int(tokens[i])
-        if capacity_applies and want > 0:
+        if cover_needed and want > 0:
             cover_part = _fractional_cover(
                 want,
                 skip=int(position[i]),
@@ -142,6 +144,20 @@ def _capacity(problem: BalanceProblem, costs: np.ndarray) -> float:
             )
         best = max(best, float(costs[i]) + max(count_part, cover_part))
     return best
+
+
+def _extreme(costs: np.ndarray, count: int, *, largest: bool) -> np.ndarray:
+    """Indices of the ``count`` costliest (or cheapest) samples, ties to the lowest index,
+    in that order: O(n) selection, then a sort of the few selected."""
+    n = costs.size
+    key = -costs if largest else costs
+    if count < n:
+        level = np.partition(key, count - 1)[count - 1]
+        pool = np.flatnonzero(key <= level)
+    else:
+        pool = np.arange(n)
+    picked = pool[np.lexsort((pool, key[pool]))]
+    return picked[:count]
 
 
 def _fractional_cover(

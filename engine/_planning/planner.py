@@ -263,10 +263,12 @@ class Planner:
             candidate_final_costs = source_costs
         else:
             # Free in balance: keep as many samples as possible where they were read.
-            home = home_bins(source_flat, source_sizes, problem.num_samples)
-            flat, sizes = settle(problem, flat, sizes, home, score=self._layout_score(problem))
-            dest_rank = problem._rank_of_flat(flat, sizes)
-            candidate_final_costs = problem.rank_costs_of(dest_rank)
+            if not (isinstance(candidate, FlatLayout) and candidate.settled):
+                home = home_bins(source_flat, source_sizes, problem.num_samples)
+                flat, sizes = settle(problem, flat, sizes, home, score=self._layout_score(problem))
+                dest_rank = problem._rank_of_flat(flat, sizes)
+                candidate_costs = problem.rank_costs_of(dest_rank)
+            candidate_final_costs = candidate_costs
         bound = step_bound(problem)
         decision = BalanceDecision(
             objective=self.objective_name,
