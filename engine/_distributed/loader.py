@@ -120,6 +120,7 @@ def decode_error(data: Any) -> Exception:
 
 # -- the loader every rank of a mesh gets --------------------------------------------------------
 
+
 class DistributedLoader(LoaderFacade):
     """The loader :func:`~evenflow.engine.build_loader` returns: ``BalancedLoader``'s API on
     every rank of a mesh.

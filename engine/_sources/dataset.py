@@ -309,7 +309,8 @@ class DatasetSource:
         plan = self._epoch_plan()
         num_units = plan.packed.num_steps
         if version == 1:  # saved before elastic restores existed: one dealing per epoch
-            saved = Dealing(0, 0, check_int("state['num_ranks']", state.get("num_ranks"), minimum=1))
+            ranks = check_int("state['num_ranks']", state.get("num_ranks"), minimum=1)
+            saved = Dealing(0, 0, ranks)
         else:
             saved = Dealing.from_state(state.get("dealing") or {}, num_units)
         if not saved.base_step <= step <= saved.num_steps(num_units):

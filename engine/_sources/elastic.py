@@ -75,9 +75,7 @@ class Dealing:
         for name in ("base_unit", "base_step", "num_ranks"):
             value = state.get(name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ResumeError(
-                    f"state[{name!r}] must be a non-negative integer, got {value!r}."
-                )
+                raise ResumeError(f"state[{name!r}] must be a non-negative integer, got {value!r}.")
             values.append(value)
         dealing = cls(*values)
         if dealing.num_ranks < 1 or dealing.base_unit > num_units:
