@@ -41,9 +41,15 @@ def _ids(samples: list[dict[str, Any]], seq_len: int) -> list[int]:
     return [int(s["id"]) for s in samples]
 
 
-def _source(rank: int, num_ranks: int) -> DatasetSource:
+def _source(rank: int, num_ranks: int, shared: bool = False) -> DatasetSource:
     return DatasetSource(
-        _rows(), seq_len=SEQ_LEN, bins_per_rank=2, rank=rank, num_ranks=num_ranks, seed=7
+        _rows(),
+        seq_len=SEQ_LEN,
+        bins_per_rank=2,
+        rank=rank,
+        num_ranks=num_ranks,
+        seed=7,
+        shared=shared,
     )
 
 
@@ -90,8 +96,8 @@ def _loader(world: _World, depth: int, kind: str = "dataset", **cfg: Any) -> Any
 
     rank, num_ranks = world.rank, world.size
 
-    if kind == "dataset":
-        source: Any = _source(rank, num_ranks)
+    if kind in ("dataset", "shared"):
+        source: Any = _source(rank, num_ranks, shared=kind == "shared")
     else:
         rows = _rows()[rank::num_ranks]
         source = IterableSource(lambda: iter(rows), seq_len=SEQ_LEN, bins_per_rank=2)
@@ -116,12 +122,12 @@ def _loader(world: _World, depth: int, kind: str = "dataset", **cfg: Any) -> Any
 # -- what runs on the ranks ----------------------------------------------------------------------
 
 
-def _record(world: _World, root: str, depth: int, cuts: tuple[int, ...]) -> Any:
+def _record(world: _World, root: str, kind: str, depth: int, cuts: tuple[int, ...]) -> Any:
     """One uninterrupted epoch, saved with DCP after each step in ``cuts``; a per-rank
     (IterableSource) loader saved once too."""
     num_ranks = world.size
     batches = []
-    with _loader(world, depth) as loader:
+    with _loader(world, depth, kind) as loader:
         for batch in loader:
             batches.append(batch)
             if loader.step in cuts:
@@ -132,11 +138,12 @@ def _record(world: _World, root: str, depth: int, cuts: tuple[int, ...]) -> Any:
     return batches
 
 
-def _resume(world: _World, root: str, runs: list[tuple[int, int, int]]) -> Any:
-    """Per (saved ranks, cut, depth): the rest of epoch 0 after ``dcp.load``, then epoch 1."""
+def _resume(world: _World, root: str, runs: list[tuple[int, int, int, str]]) -> Any:
+    """Per (saved ranks, cut, depth, kind): the rest of epoch 0 after ``dcp.load``, then
+    epoch 1."""
     out = []
-    for saved, cut, depth in runs:
-        with _loader(world, depth) as loader:
+    for saved, cut, depth, kind in runs:
+        with _loader(world, depth, kind) as loader:
             world.load({"loader": loader}, f"{root}/dataset-{saved}-{cut}")
             assert loader.step == cut
             rest = list(loader)
@@ -240,18 +247,20 @@ def _run(pool: RankPool, size: int, fn: Any, *args: Any) -> list[Any]:
 
 @pytest.fixture(scope="module")
 def recorded(pool: RankPool, root: Path) -> dict[int, Any]:
-    """The uninterrupted epoch on 4 ranks (saved with depth 3) and on 2 (depth 1)."""
+    """The uninterrupted epoch on 4 ranks (payload mode, saved with depth 3) and on 2
+    (shared-dataset mode, depth 1)."""
     return {
-        4: _run(pool, 4, _record, str(root), 3, CUTS4),
-        2: _run(pool, 2, _record, str(root), 1, CUTS2),
+        4: _run(pool, 4, _record, str(root), "dataset", 3, CUTS4),
+        2: _run(pool, 2, _record, str(root), "shared", 1, CUTS2),
     }
 
 
-#: (ranks saved, cut, prefetch depth restored) per number of restoring ranks
+#: (ranks saved, cut, prefetch depth restored, source mode) per number of restoring ranks;
+#: "dataset" moves payloads, "shared" reads the assigned samples on each rank.
 RUNS = {
-    2: [(4, 1, 1), (4, 3, 3), (2, 2, 3)],
-    3: [(4, 2, 1), (4, 4, 3)],
-    4: [(2, 3, 1), (4, 2, 3)],
+    2: [(4, 1, 1, "dataset"), (4, 3, 3, "shared"), (2, 2, 3, "shared")],
+    3: [(4, 2, 1, "shared"), (4, 4, 3, "dataset")],
+    4: [(2, 3, 1, "dataset"), (4, 2, 3, "dataset")],
 }
 
 
@@ -261,8 +270,8 @@ def test_a_dcp_checkpoint_restores_onto_any_number_of_ranks(
 ) -> None:
     resumed = _run(pool, ranks, _resume, str(root), RUNS[ranks])
     everything = {r["id"] for r in _rows()}
-    for at, (saved, cut, depth) in enumerate(RUNS[ranks]):
-        where = f"{saved} -> {ranks} ranks at step {cut}, depth {depth}"
+    for at, (saved, cut, depth, kind) in enumerate(RUNS[ranks]):
+        where = f"{saved} -> {ranks} ranks at step {cut}, depth {depth}, {kind}"
         before = _per_step([batches[:cut] for batches in recorded[saved]])
         rest = _per_step([r[at][0] for r in resumed])
         following = _per_step([r[at][1] for r in resumed])
