@@ -103,3 +103,37 @@ def test_a_step_before_the_restored_position_is_refused() -> None:
         source.step_indices(1)
     with pytest.raises(ResumeError, match="beyond"):
         source.load_state_dict({**state, "step": 10_000})  # type: ignore[dict-item]
+
+
+def test_a_state_saved_inside_a_balance_window_restores_only_onto_the_same_ranks() -> None:
+    from evenflow.engine._pipeline.resume import loader_state, read_state
+
+    def saved(step: int) -> dict[str, object]:
+        _, source_state = _run(4, epoch=0, stop=step)
+        return loader_state(
+            epoch=0,
+            step=step,
+            identity={"config": {}},
+            source=_source(0, 4),
+            source_state=source_state,
+            process_rank=0,
+            group_rank=0,
+            group=[0, 1, 2, 3],
+        )
+
+    def restore(step: int, num_ranks: int) -> object:
+        return read_state(
+            saved(step),
+            identity={"config": {}},
+            source=_source(0, num_ranks),
+            process_rank=0,
+            group_rank=0,
+            group=list(range(num_ranks)),
+            max_steps=None,
+            window=4,
+        )
+
+    with pytest.raises(ResumeError, match=r"inside a balance window of 4 steps .* on 4 ranks"):
+        restore(5, 2)
+    assert restore(5, 4).step == 5  # the same ranks finish the window
+    assert restore(4, 2).step == 4  # a window boundary: any number of ranks

@@ -95,7 +95,14 @@ def loader_state(
     if has_global_position(source):
         # The position repeats the step, so a checkpoint that kept it from one rank and the
         # shared fields from another (ranks saved at different steps) is caught.
-        state["position"] = _encode({"epoch": epoch, "step": step, "state": source_state})
+        state["position"] = _encode(
+            {
+                "epoch": epoch,
+                "step": step,
+                "num_ranks": getattr(source, "num_ranks", None),
+                "state": source_state,
+            }
+        )
         return state
     entry: dict[str, Any] = {
         "rank": group_rank,
@@ -119,9 +126,11 @@ def read_state(
     group_rank: int,
     group: list[int],
     max_steps: int | None,
+    window: int = 1,
 ) -> Restore:
     """Check ``state`` against this rank and return what to restore; ``ResumeError`` names
-    what is wrong. ``process_rank`` None: a rank without a source."""
+    what is wrong. ``process_rank`` None: a rank without a source. ``window``: the balance
+    window; a global position saved inside a window restores only onto as many ranks."""
     _check_shared(state)
     saved = json.loads(state["identity"])
     if saved != json.loads(_identity_text(identity)):
@@ -157,6 +166,17 @@ def read_state(
                 "the checkpoint (torch.distributed.checkpoint writes a key saved by several "
                 "ranks once) kept parts of different ranks' states. Save every rank at the "
                 "same step."
+            )
+        saved_ranks = position.get("num_ranks")
+        ranks = getattr(source, "num_ranks", None)
+        if saved_ranks != ranks and step % window:
+            raise ResumeError(
+                f"The state was saved at step {step}, inside a balance window of {window} "
+                f"steps (it began at step {step - step % window}), on {saved_ranks} ranks; this "
+                f"source deals to {ranks}. The window's delivered steps hold samples planned "
+                "across the whole window, so only the same ranks can finish it. Restore onto "
+                f"{saved_ranks} ranks, or save at a window boundary (a step that is a multiple "
+                f"of {window}) to change the number of ranks."
             )
         return Restore(epoch, step, position.get("state"))
     if not isinstance(ranks, dict):
