@@ -19,7 +19,7 @@ import numpy as np
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.h2d import DeviceStager
-from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
+from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn, with_loss_tokens
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine._tracing import resolve_tracer
 from evenflow.engine.errors import ConfigError
@@ -163,7 +163,11 @@ def loader_parts(
         raise
     return LoaderParts(
         config=config,
-        metadata_fn=metadata_fn or default_metadata_fn,
+        # The default pack's loss targets are known from the samples: count them, so every
+        # step's LossTokens is available without a custom metadata_fn.
+        metadata_fn=with_loss_tokens(metadata_fn or default_metadata_fn)
+        if pack_fn is None
+        else metadata_fn or default_metadata_fn,
         pack_fn=pack_fn or default_pack_fn,
         collate_fn=collate_fn or default_collate_fn,
         planner=planner,
