@@ -222,10 +222,11 @@ def test_bench_exchange_exits_1_on_a_missed_target_unless_report_only(
 ) -> None:
     from evenflow.engine._tools.bench import exchange
 
-    row = {"num_ranks": 2, "mib_per_rank": 64, "vs_raw": 0.1, "vs_pickled": 1.0}
+    row = {"num_ranks": 2, "mib_per_rank": 64, "vs_gather": 0.1, "vs_raw": 0.1, "vs_pickled": 1.0}
     monkeypatch.setattr(exchange, "run_ranks", lambda *a, **k: [])
     monkeypatch.setattr(exchange, "_summarize", lambda *a, **k: [row])
     monkeypatch.setattr(exchange, "_print_table", lambda *a, **k: None)
-    assert exchange.main(["--ranks", "2", "--sizes-mib", "64", *extra]) == status
+    argv = ["--ranks", "2", "--sizes-mib", "64", "--modes-steps", "0", *extra]
+    assert exchange.main(argv) == status
     err = capsys.readouterr().err
     assert "1 target(s) missed" in err and ("--report-only" in err)
