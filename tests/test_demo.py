@@ -92,14 +92,16 @@ def test_model_trains_and_rejects_positions_beyond_its_table() -> None:
 
 
 def test_fitted_cost_recovers_known_coefficients_and_rejects_bad_input() -> None:
-    truth = FittedCost(per_bin=0.01, per_sample=0.002, per_token=3e-5, per_token_pair=2e-7)
+    truth = FittedCost(
+        per_bin=0.01, per_sample=0.002, per_token=3e-5, per_token_pair=2e-7, per_token_cube=1e-10
+    )
     bins = calibration_bins(1024)
     fitted = FittedCost.fit(bins, [truth.bin_seconds(b) for b in bins])
     for got, want in zip(fitted.coefficients(), truth.coefficients(), strict=True):
         assert got == pytest.approx(want, rel=1e-6)
     # The planner's per-sample cost leaves the per-bin term out; bin_seconds adds it once.
     one = SampleMetadata(tokens=100)
-    assert fitted(one) == pytest.approx(0.002 + 3e-3 + 2e-3)
+    assert fitted(one) == pytest.approx(0.002 + 3e-3 + 2e-3 + 1e-4)
     assert fitted.bin_seconds([100]) == pytest.approx(0.01 + fitted(one))
     assert (
         fitted.model_id != FittedCost.fit(bins, [2 * truth.bin_seconds(b) for b in bins]).model_id
@@ -111,7 +113,7 @@ def test_fitted_cost_recovers_known_coefficients_and_rejects_bad_input() -> None
     assert min(noisy.coefficients()) >= 0.0
     with pytest.raises(ValueError, match="positive and finite"):
         FittedCost.fit(bins, [0.0] * len(bins))
-    with pytest.raises(ValueError, match="at least 4 bins"):
+    with pytest.raises(ValueError, match="at least 5 bins"):
         FittedCost.fit(bins[:2], [1.0, 2.0])
 
 

@@ -4,9 +4,10 @@ Before training, every rank times the same set of packed bins (:func:`calibratio
 long sample, many short ones, half-full bins) through the real model on the one thread it
 trains with, while the other ranks do the same — the conditions of training. Timings are CPU
 time, so that other jobs on a shared machine do not enter the model. The ranks average
-their timings and each fits the same :class:`FittedCost`. The fit has four terms with a
-physical meaning (per bin, per sample, per token, per query-key pair), so a noisy timing moves
-a coefficient a little instead of bending an interpolated curve. The demo then checks the fit
+their timings and each fits the same :class:`FittedCost`. The fit has five terms with a
+physical meaning (per bin, per sample, per token, per query-key pair, and a cubic one for
+attention outgrowing the caches), so a noisy timing moves a coefficient a little instead of
+bending an interpolated curve. The demo then checks the fit
 against the compute it measures while training, and says so when they disagree.
 """
 
@@ -31,8 +32,9 @@ __all__ = ["FittedCost", "calibration_bins", "time_bins"]
 def calibration_bins(seq_len: int) -> list[list[int]]:
     """The packed bins (lists of sample lengths) that :func:`time_bins` times.
 
-    Full bins of equal samples from one sample of ``seq_len`` down to many short ones, and two
-    half-full bins: full bins alone could not tell a per-token cost from a per-bin one.
+    Full bins of equal samples from one sample of ``seq_len`` down to many short ones, two
+    half-full bins (full bins alone could not tell a per-token cost from a per-bin one) and
+    two bins of long samples of other lengths.
     """
     check_int("seq_len", seq_len, minimum=16)
     bins = []
@@ -42,6 +44,10 @@ def calibration_bins(seq_len: int) -> list[list[int]]:
     for div in (2, 8):
         length = seq_len // div
         bins.append([length] * max(1, (seq_len // 2) // length))
+    # Two mixed bins near the top, where the cubic term matters most.
+    three_quarters = max(1, 3 * seq_len // 4)
+    bins.append([three_quarters, max(1, seq_len - three_quarters)])
+    bins.append([max(1, 3 * seq_len // 8)] * 2)
     return bins
 
 
@@ -90,33 +96,49 @@ def time_bins(model: TinyCausalLM, bins: Sequence[Sequence[int]], *, repeats: in
     return best
 
 
-_TERMS = ("per_bin", "per_sample", "per_token", "per_token_pair")
+_TERMS = ("per_bin", "per_sample", "per_token", "per_token_pair", "per_token_cube")
 
 
 def _features(lengths: Sequence[int]) -> list[float]:
-    return [1.0, float(len(lengths)), float(sum(lengths)), float(sum(n * n for n in lengths))]
+    n = [float(x) for x in lengths]
+    return [
+        1.0,
+        float(len(n)),
+        sum(n),
+        sum(x * x for x in n),
+        sum(x * x * x for x in n),
+    ]
 
 
 class FittedCost:
-    """Seconds of forward + backward: ``per_sample + per_token·L + per_token_pair·L²``.
+    """Seconds of forward + backward of a sample of ``L`` tokens, fitted to timed bins.
 
-    A sample's cost (what the planner balances) has a fixed part (the per-sample attention
-    call), a part per token (the linear layers, the LM head) and a part per query-key pair
-    (attention); a packed bin also pays ``per_bin`` once, which :meth:`bin_seconds` adds (the
-    planner leaves it out: every rank trains the same number of bins). :meth:`fit` finds the
-    four non-negative coefficients from timed bins, by least squares on relative error.
+    ``per_sample + per_token·L + per_token_pair·L² + per_token_cube·L³``: a fixed part (the
+    per-sample attention call), a part per token (the linear layers, the LM head), a part per
+    query-key pair (attention) and a cubic part, because on a CPU attention's ``L x L`` scores
+    outgrow the caches as ``L`` grows, so the cost of a pair itself rises with ``L`` (without
+    it the fit misses a full-length sample by ~15%). A packed bin also pays ``per_bin`` once,
+    which :meth:`bin_seconds` adds (the planner leaves it out: every rank trains the same
+    number of bins). :meth:`fit` finds the non-negative coefficients from timed bins by least
+    squares on relative error.
     """
 
     def __init__(
-        self, *, per_bin: float, per_sample: float, per_token: float, per_token_pair: float
+        self,
+        *,
+        per_bin: float,
+        per_sample: float,
+        per_token: float,
+        per_token_pair: float,
+        per_token_cube: float = 0.0,
     ) -> None:
-        values = (per_bin, per_sample, per_token, per_token_pair)
+        values = (per_bin, per_sample, per_token, per_token_pair, per_token_cube)
         if any(not (math.isfinite(v) and v >= 0) for v in values) or not any(values[1:]):
             raise ValueError(
                 f"FittedCost coefficients must be finite and >= 0, with a positive sample "
                 f"term, but got {dict(zip(_TERMS, values, strict=True))!r}."
             )
-        self.per_bin, self.per_sample, self.per_token, self.per_token_pair = values
+        self._values = values
         digest = hashlib.sha256(repr(values).encode()).hexdigest()[:16]
         self.model_id = f"demo-fitted-{digest}"
 
@@ -132,6 +154,10 @@ class FittedCost:
             raise ValueError(f"seconds must be positive and finite, but got {list(seconds)!r}.")
         t = np.asarray(seconds, dtype=np.float64)
         x = np.array([_features(b) for b in bins], dtype=np.float64) / t[:, None]
+        # Columns scaled to unit norm: L³ reaches 1e9 where a bin count is 1.
+        norms = np.linalg.norm(x, axis=0)
+        norms[norms == 0] = 1.0
+        x = x / norms
         active = list(range(len(_TERMS)))
         coef = np.zeros(len(_TERMS))
         while active:  # drop the most negative term until none is negative (a tiny NNLS)
@@ -140,31 +166,34 @@ class FittedCost:
                 coef[active] = solution
                 break
             active.pop(int(np.argmin(solution)))
+        coef = coef / norms
         return cls(**dict(zip(_TERMS, (float(c) for c in coef), strict=True)))
 
     def __call__(self, meta: SampleMetadata) -> float:
         n = float(meta.tokens)
-        return self.per_sample + self.per_token * n + self.per_token_pair * n * n
+        _, c, a, b, d = self._values
+        return c + n * (a + n * (b + n * d))
 
     def bin_seconds(self, lengths: Sequence[int]) -> float:
         """Predicted seconds of one packed bin holding samples of ``lengths``."""
-        return float(np.dot(_features(lengths), self.coefficients()))
+        return float(np.dot(_features(lengths), self._values))
 
-    def coefficients(self) -> tuple[float, float, float, float]:
-        return (self.per_bin, self.per_sample, self.per_token, self.per_token_pair)
+    def coefficients(self) -> tuple[float, ...]:
+        """``(per_bin, per_sample, per_token, per_token_pair, per_token_cube)``."""
+        return self._values
 
     def as_dict(self) -> dict[str, float]:
-        """The coefficients by name (seconds; per query-key pair for ``per_token_pair``)."""
-        return dict(zip(_TERMS, self.coefficients(), strict=True))
+        """The coefficients by name, in seconds (per token, per pair, ...)."""
+        return dict(zip(_TERMS, self._values, strict=True))
 
     def describe(self) -> str:
         """The formula with its fitted numbers, in milliseconds."""
+        per_bin, c, a, b, d = (v * 1e3 for v in self._values)
         return (
-            f"{self.per_sample * 1e3:.3g} ms + {self.per_token * 1e3:.3g} ms·L + "
-            f"{self.per_token_pair * 1e3:.3g} ms·L² per sample, + {self.per_bin * 1e3:.3g} ms "
-            "per packed sequence"
+            f"{c:.3g} ms + {a:.3g} ms·L + {b:.3g} ms·L² + {d:.3g} ms·L³ per sample, "
+            f"+ {per_bin:.3g} ms per packed sequence"
         )
 
     def __repr__(self) -> str:
-        terms = ", ".join(f"{k}={v:.4g}" for k, v in zip(_TERMS, self.coefficients(), strict=True))
+        terms = ", ".join(f"{k}={v:.4g}" for k, v in self.as_dict().items())
         return f"FittedCost({terms})"

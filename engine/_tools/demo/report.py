@@ -136,18 +136,13 @@ def _calibration_check(
     coefficients = cost.get("coefficients")
     if not coefficients:
         return None
-    c = coefficients
+    model = FittedCost(**coefficients)
     measured, predicted, ratios = 0.0, 0.0, []
     for result in results:
         for arm in arms:
             for step in _timed(result["arms"][arm]["steps"]):
                 for lengths, seconds in step["bins"]:
-                    guess = (
-                        c["per_bin"]
-                        + c["per_sample"] * len(lengths)
-                        + c["per_token"] * sum(lengths)
-                        + c["per_token_pair"] * sum(n * n for n in lengths)
-                    )
+                    guess = model.bin_seconds(lengths)
                     measured += seconds
                     predicted += guess
                     if guess > 0:
