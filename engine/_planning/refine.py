@@ -59,8 +59,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.lpt import lpt_layout
 from evenflow.engine._planning.objectives import makespan
+from evenflow.engine._planning.polish import polish, polish_cells
 from evenflow.engine._planning.problem import (
     BalanceProblem,
     FlatLayout,
@@ -93,6 +95,8 @@ _MAX_BUDGET = 512
 # keeps the other layout, so the cap bounds the planning time (~2 ms at 8 x 4) and nothing
 # else. Past ~20,000 samples it would cost more than the rest of the plan and rarely arrive.
 _STAY_MAX_SAMPLES = 20_000
+# Alternations of the second search phase with the first (see ``_refine``).
+_POLISH_ROUNDS = 3
 _STAY_ATTEMPTS = 32
 _STAY_SAMPLES_PER_ATTEMPT = 32
 
@@ -107,7 +111,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v5"
+    algorithm_id = "refine-v6"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -127,6 +131,7 @@ class RefineAlgorithm:
             starts.append(lpt)
         if problem.bins_per_rank > 1:
             starts.append(_deal_bins(problem, starts[0]))
+            starts.append(kk_bins(problem, starts[0]))
         scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
         budget = _default_budget(problem) if self.max_iterations is None else self.max_iterations
         if problem.num_samples <= _MULTI_START_SAMPLES:
@@ -137,7 +142,7 @@ class RefineAlgorithm:
         # searched layouts first, then LPT and the dealt bins; ties keep the earlier one.
         candidates: list[tuple[FlatLayout, float]] = []
         for origin in origins:
-            layout, rank_of = self._search(problem, origin, budget)
+            layout, rank_of = self._refine(problem, origin, budget)
             candidates.append((layout, _score_of(problem, rank_of)))
         candidates.extend(zip(starts[1:], scores[1:], strict=True))
         best_layout: FlatLayout | None = None
@@ -185,7 +190,25 @@ class RefineAlgorithm:
         ]
         return settled[0] if moved[0] <= moved[1] else settled[1]
 
-    # The two kernels, compiled. Overridden only by the test oracle, which runs the same
+    def _refine(
+        self, problem: BalanceProblem, origin: FlatLayout, budget: int
+    ) -> tuple[FlatLayout, np.ndarray]:
+        """The first search phase, then the second one (``polish.py``) and the first again
+        while the second finds changes (at most ``_POLISH_ROUNDS`` times)."""
+        layout, rank_of = self._search(problem, origin, budget)
+        if problem.constraints.budgets:
+            return layout, rank_of
+        cells = polish_cells(problem) // _POLISH_ROUNDS
+        # Partners come from the whole group, so the attempts scale with it too.
+        attempts = max(budget, problem.num_ranks // 2)
+        for _ in range(_POLISH_ROUNDS):
+            polished, _, changes = self._polish(problem, layout, attempts, cells)
+            if changes == 0:
+                break
+            layout, rank_of = self._search(problem, polished, budget)
+        return layout, rank_of
+
+    # The kernels, compiled. Overridden only by the test oracle, which runs the same
     # starts and final choice around its slow reference kernels.
 
     def _greedy(self, problem: BalanceProblem) -> FlatLayout | None:
@@ -200,6 +223,11 @@ class RefineAlgorithm:
         stop_at: float | None = None,
     ) -> tuple[FlatLayout, np.ndarray]:
         return search(problem, start, budget, stop_at=stop_at)
+
+    def _polish(
+        self, problem: BalanceProblem, start: FlatLayout, budget: int, cells: int
+    ) -> tuple[FlatLayout, np.ndarray, int]:
+        return polish(problem, start, budget, cells)
 
 
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:
