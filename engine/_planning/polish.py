@@ -43,17 +43,25 @@ def polish_cells(problem: BalanceProblem) -> int:
 
 
 def polish(
-    problem: BalanceProblem, start: FlatLayout, budget: int, cells: int
+    problem: BalanceProblem,
+    start: FlatLayout,
+    budget: int,
+    cells: int,
+    *,
+    stop_at: float | None = None,
 ) -> tuple[FlatLayout, np.ndarray, int]:
     """Run the second phase from ``start`` for at most ``budget`` attempts and ``cells``
-    knapsack cells: the layout reached, its sample ranks, and the number of changes."""
+    knapsack cells, stopping once the most loaded rank is at or below ``stop_at`` (default
+    :func:`~evenflow.engine._planning.search.good_enough`): the layout reached, its sample
+    ranks, and the number of changes."""
     state = search_state(problem, start)
+    stop = good_enough(problem, state["load"]) if stop_at is None else stop_at
     flat, sizes, changes = native.polish(
         problem,
         (start.flat, start.sizes),
         state,
         budget=budget,
-        good_enough=good_enough(problem, state["load"]),
+        good_enough=stop,
         sumsq=problem.objective is balance,
         cells=cells,
     )

@@ -28,12 +28,17 @@ never dead-ends and is never worse than either of them:
    own objective (``problem.score``), so the result is never worse than either even when the
    objective is not what the search optimises (``balance``, or a component cost model whose
    rank cost is not a sum).
-4. **Staying** (makespan): LPT and dealt bins start from scratch, so their layouts move
-   nearly every sample. The search is run once more from the source layout, stopping as soon
-   as its makespan is no worse than the chosen layout's; when it gets there, both are
-   settled (ranks and bins relabelled towards the source, samples sent home where the
-   makespan allows: ``settle.py``) and the one that moves fewer samples is returned. Among
-   layouts of equal objective the planner so prefers the one that moves least.
+4. **Second phase** (``polish.py``), when the first stops above the bound: moves to the least
+   loaded rank with room anywhere in the group, and one sample for any subset of a partner
+   bin (one bin per rank); alternated with the first phase while it finds changes. Multi-bin
+   steps also start from whole bins split by Karmarkar-Karp differencing (``kk.py``).
+5. **Finish**: the best layout is settled (ranks and bins relabelled towards the source,
+   samples sent home where the makespan allows: ``settle.py``), with LPT too when it is
+   within 0.1% (settling can lower a makespan). Under the makespan objective the search is
+   also run from the source layout, stopping as soon as it is as good as the best; among
+   equal scores the layout that moves fewest samples wins: LPT, dealt and differenced bins
+   start from scratch and move nearly every sample, a search from the source only what
+   balance needs.
 
 Budget: the search stops after ``max_iterations`` improvement attempts (by default
 proportional to the number of samples) or when the most loaded rank admits no improving
@@ -88,7 +93,7 @@ _MULTI_START_SAMPLES = 48
 _SAMPLES_PER_ATTEMPT = 120
 _MIN_BUDGET = 6
 _MAX_BUDGET = 512
-# The search from the source towards the best makespan (``_stay``) runs on steps up to this
+# The search from the source towards the best makespan (``_finish``) runs on steps up to this
 # many samples, with 32 attempts plus one per 32 samples: each attempt changes one or two
 # samples, and reaching a balanced layout from a source 1.3x above its bound takes ~1 per 25
 # (p50 26 attempts at 8 x 4, 235 at 64 x 4, sft). A step that does not get there in time
@@ -97,8 +102,12 @@ _MAX_BUDGET = 512
 _STAY_MAX_SAMPLES = 20_000
 # Alternations of the second search phase with the first (see ``_refine``).
 _POLISH_ROUNDS = 3
-_STAY_ATTEMPTS = 32
-_STAY_SAMPLES_PER_ATTEMPT = 32
+# LPT is settled as a finalist too when its score is within this factor of the best one.
+_CLOSE = 1.001
+_STAY_ATTEMPTS = 24
+_STAY_SAMPLES_PER_ATTEMPT = 64
+# The search from the source alternates with the second phase once.
+_STAY_ROUNDS = 1
 
 
 class RefineAlgorithm:
@@ -153,59 +162,88 @@ class RefineAlgorithm:
                 best_layout, best_score = layout, score
         if best_layout is None:
             return None
-        return self._stay(problem, starts[0], best_layout, best_score)
+        finalists = [best_layout]
+        if lpt is not None and lpt is not best_layout and scores[1] <= best_score * _CLOSE:
+            # Settling may lower a layout's makespan (a sample sent home can leave the most
+            # loaded rank), so LPT settled could end below the best one settled.
+            finalists.append(lpt)
+        return self._finish(problem, starts[0], finalists, budget)
 
-    def _stay(
-        self, problem: BalanceProblem, source: FlatLayout, best: FlatLayout, best_score: float
+    def _finish(
+        self,
+        problem: BalanceProblem,
+        source: FlatLayout,
+        finalists: list[FlatLayout],
+        budget: int,
     ) -> FlatLayout:
-        """``best``, or a layout as good that moves fewer samples (makespan only).
+        """The finalists settled (``settle.py``), plus, under the makespan objective, a
+        search from the source that stops once it is as good as the best of them: the best
+        score wins, and among equal scores the layout that moves fewest samples.
 
-        Searching from the source layout until its makespan is no worse than ``best``'s
-        changes only what balance needs; LPT and dealt bins start from scratch and move
-        nearly every sample. Both are settled (see ``settle.py``) and the one that moves
-        fewer samples wins, the searched-from-source one on ties.
+        Searching from the source changes only what balance needs, whereas LPT and dealt
+        bins start from scratch and move nearly every sample.
         """
         n = problem.num_samples
-        if problem.objective is not makespan or n > _STAY_MAX_SAMPLES:
-            return best
-        rank_of = problem._rank_of_flat(best.flat, best.sizes)
-        target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
-        budget = _STAY_ATTEMPTS + n // _STAY_SAMPLES_PER_ATTEMPT
-        stay, stay_rank_of = self._search(problem, source, budget, stop_at=target)
-        if _score_of(problem, stay_rank_of) > best_score or not _budgets_hold(problem, stay):
-            return best
         home = home_bins(source.flat, source.sizes, n)
 
         def score(flat: np.ndarray, sizes: np.ndarray) -> float:
             return _score_of(problem, problem._rank_of_flat(flat, sizes))
 
-        settled = [
-            FlatLayout(*settle(problem, layout.flat, layout.sizes, home, score=score), settled=True)
-            for layout in (stay, best)
+        layouts = [
+            FlatLayout(*settle(problem, f.flat, f.sizes, home, score=score), settled=True)
+            for f in finalists
         ]
+        scores = [score(lay.flat, lay.sizes) for lay in layouts]
+        best = min(scores)
+        if problem.objective is makespan and n <= _STAY_MAX_SAMPLES:
+            chosen = layouts[scores.index(best)]
+            rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
+            target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
+            stay_budget = _STAY_ATTEMPTS + n // _STAY_SAMPLES_PER_ATTEMPT
+            stay, stay_rank_of = self._refine(
+                problem, source, stay_budget, stop_at=target, rounds=_STAY_ROUNDS
+            )
+            if _score_of(problem, stay_rank_of) <= best and _budgets_hold(problem, stay):
+                settled = FlatLayout(
+                    *settle(problem, stay.flat, stay.sizes, home, score=score), settled=True
+                )
+                layouts.insert(0, settled)
+                scores.insert(0, score(settled.flat, settled.sizes))
+                best = min(scores)
         home_rank = home // problem.bins_per_rank
-        moved = [
-            int(np.count_nonzero(problem._rank_of_flat(lay.flat, lay.sizes) != home_rank))
-            for lay in settled
-        ]
-        return settled[0] if moved[0] <= moved[1] else settled[1]
+        pick, fewest = 0, -1
+        for k, lay in enumerate(layouts):
+            if scores[k] > best:
+                continue
+            moved = int(np.count_nonzero(problem._rank_of_flat(lay.flat, lay.sizes) != home_rank))
+            if fewest < 0 or moved < fewest:
+                pick, fewest = k, moved
+        return layouts[pick]
 
     def _refine(
-        self, problem: BalanceProblem, origin: FlatLayout, budget: int
+        self,
+        problem: BalanceProblem,
+        origin: FlatLayout,
+        budget: int,
+        *,
+        stop_at: float | None = None,
+        rounds: int = 0,
     ) -> tuple[FlatLayout, np.ndarray]:
         """The first search phase, then the second one (``polish.py``) and the first again
-        while the second finds changes (at most ``_POLISH_ROUNDS`` times)."""
-        layout, rank_of = self._search(problem, origin, budget)
+        while the second finds changes (at most ``rounds`` times, default
+        ``_POLISH_ROUNDS``). ``stop_at``: a load at or below which the most loaded rank is
+        good enough (default: near the bound)."""
+        layout, rank_of = self._search(problem, origin, budget, stop_at=stop_at)
         if problem.constraints.budgets:
             return layout, rank_of
         cells = polish_cells(problem) // _POLISH_ROUNDS
         # Partners come from the whole group, so the attempts scale with it too.
         attempts = max(budget, problem.num_ranks // 2)
-        for _ in range(_POLISH_ROUNDS):
-            polished, _, changes = self._polish(problem, layout, attempts, cells)
+        for _ in range(rounds or _POLISH_ROUNDS):
+            polished, _, changes = self._polish(problem, layout, attempts, cells, stop_at=stop_at)
             if changes == 0:
                 break
-            layout, rank_of = self._search(problem, polished, budget)
+            layout, rank_of = self._search(problem, polished, budget, stop_at=stop_at)
         return layout, rank_of
 
     # The kernels, compiled. Overridden only by the test oracle, which runs the same
@@ -225,9 +263,15 @@ class RefineAlgorithm:
         return search(problem, start, budget, stop_at=stop_at)
 
     def _polish(
-        self, problem: BalanceProblem, start: FlatLayout, budget: int, cells: int
+        self,
+        problem: BalanceProblem,
+        start: FlatLayout,
+        budget: int,
+        cells: int,
+        *,
+        stop_at: float | None = None,
     ) -> tuple[FlatLayout, np.ndarray, int]:
-        return polish(problem, start, budget, cells)
+        return polish(problem, start, budget, cells, stop_at=stop_at)
 
 
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:

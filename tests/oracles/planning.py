@@ -361,11 +361,20 @@ class OracleRefine(RefineAlgorithm):
         return layout, search.rank_of()
 
     def _polish(
-        self, problem: BalanceProblem, start: FlatLayout, budget: int, cells: int
+        self,
+        problem: BalanceProblem,
+        start: FlatLayout,
+        budget: int,
+        cells: int,
+        *,
+        stop_at: float | None = None,
     ) -> tuple[FlatLayout, np.ndarray, int]:
         polish = PolishOracle(problem, start, cells)
         load = np.asarray(polish.load)
         bound = max(float(load.sum()) / problem.num_ranks, float(problem.costs.max(initial=0.0)))
+        if stop_at is not None:
+            layout = polish.run(budget, stop_at, sumsq=problem.objective is balance)
+            return layout, polish.rank_of(), polish.changes
         layout = polish.run(
             budget, bound * (1.0 + NEAR_OPTIMAL), sumsq=problem.objective is balance
         )
