@@ -33,8 +33,8 @@ from evenflow.engine._planning.search import good_enough, search_state
 __all__ = ["SUBSET_CELLS", "polish", "polish_cells"]
 
 # Knapsack cells (partner samples x token totals) a plan may spend on subset exchanges:
-# ~4 ms compiled. A 32k-token bin of 24 samples costs ~0.8 M cells per partner bin.
-SUBSET_CELLS = 1 << 22
+# ~2-4 ms compiled. A 32k-token bin of 24 samples costs ~0.8 M cells per partner bin.
+SUBSET_CELLS = 1 << 21
 
 
 def polish_cells(problem: BalanceProblem) -> int:
