@@ -8,6 +8,10 @@
                            or leader) samples     H2D staging)
                                       move)
 
+In shared-dataset mode (:mod:`~evenflow.engine._pipeline.read_assigned`) the exchange stage is
+replaced by *read_assigned*: no collective, each rank reads its planned samples by dataset
+index on the read pool.
+
 Each stage is one coroutine driven by :meth:`Pipeline._stage`; it receives a
 :class:`StepState`, does its work inside a trace span, and forwards the state. A failure inside a
 stage is recorded on the step (``state.fail``) and the step keeps flowing, so the collectives of
@@ -30,11 +34,13 @@ from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import anyio
+import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
 from evenflow.engine._pipeline.plan_stage import PlanStage
+from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
 from evenflow.engine._pipeline.sequencer import Sequencer
 from evenflow.engine._pipeline.source import SourceReader
 from evenflow.engine._pipeline.step import (
@@ -80,6 +86,8 @@ class Pipeline:
         cpu_executor: concurrent.futures.Executor,
         source_executor: concurrent.futures.Executor,
         initial_iter: Iterator[Any] | None = None,
+        assigned: AssignedReader | None = None,
+        dataset: dict[str, Any] | None = None,
     ) -> None:
         self._reader = SourceReader(
             source=source,
@@ -91,6 +99,10 @@ class Pipeline:
         )
         self._config = config
         self._transport = transport
+        # Shared-dataset mode: the reader of assigned samples, and the dataset identity the
+        # first metadata round compares (None in payload mode on every rank).
+        self._assigned = assigned
+        self._dataset = dataset
         self._planner = planner
         self._pack_fn = pack_fn
         self._collate_fn = collate_fn
@@ -148,7 +160,12 @@ class Pipeline:
                 tg.create_task(self._read_stage(read_s))
                 tg.create_task(self._stage("gather", read_r, gath_s, self._gather))
                 tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
-                tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                if self._assigned is None:
+                    tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                else:
+                    tg.create_task(
+                        self._stage("read_assigned", plan_r, exch_s, self._read_assigned)
+                    )
                 tg.create_task(self._stage("pack", exch_r, self._out_send, self._pack))
         except BaseException as exc:  # a stage crashed, the group failed, or close() cancelled
             self._gather_done = True
@@ -352,6 +369,12 @@ class Pipeline:
         await self._sequencer.turn(state.step, "gather")
         prev = self._prev_status()
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
+        if state.step == self.first_step:
+            msg["dataset"] = self._dataset
+        if self._assigned is not None and state.status == "ok" and state.samples is not None:
+            msg["indices"] = np.fromiter(
+                (s.dataset_index for s in state.samples), dtype=np.int64, count=len(state.samples)
+            )
         try:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
@@ -360,7 +383,17 @@ class Pipeline:
         await self._sequencer.advance(state.step, "gather")
         self.gathered_step = state.step
         self._confirm_prev([m.get("prev") for m in messages])
-        self._judge_round(state, messages)
+        mismatch = None
+        if state.step == self.first_step:
+            mismatch = dataset_mismatch(
+                [m.get("dataset") for m in messages],
+                self._global_ranks,
+                where=f"Step {state.step}",
+            )
+        if mismatch is not None:
+            state.remote, state.terminal = mismatch, True
+        else:
+            self._judge_round(state, messages)
         if state.terminal and state.status == "end":
             self.final_round = state
             if state.uneven is not None and state.remote is None:
@@ -463,6 +496,25 @@ class Pipeline:
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
 
+    # -- read_assigned (shared-dataset mode) ----------------------------------------------
+
+    async def _read_assigned(self, state: StepState) -> None:
+        """Take the exchange turn without a collective (every rank is in shared mode), then
+        read this rank's planned samples by dataset index."""
+        if state.terminal:
+            return
+        await self._sequencer.turn(state.step, "exchange")
+        self.exchanged_step = state.step
+        self.notify()
+        await self._sequencer.advance(state.step, "exchange")
+        if state.error is not None or state.routes is None or state.messages is None:
+            return
+        assert self._assigned is not None
+        try:
+            state.received = await self._assigned.read(state.step, state.routes, state.messages)
+        except Exception as exc:
+            state.fail("read_assigned", exc)
+
     def _outgoing(self, state: StepState) -> dict[int, list[tuple[Any, Any]]]:
         assert state.samples is not None and state.routes is not None
         local = state.samples
@@ -495,7 +547,7 @@ class Pipeline:
         for keys in routes.bins:
             samples = []
             for key in keys:
-                if key[0] == rank:
+                if key[0] == rank and self._assigned is None:
                     samples.append(local[key[2]])
                 else:
                     try:
