@@ -13,6 +13,7 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._logging import show_info_lines
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
+from evenflow.engine._pipeline.loss_tokens import LossTokens, step_loss_tokens
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
 from evenflow.engine._pipeline.parts import (
     check_callables,
@@ -30,11 +31,12 @@ from evenflow.engine._pipeline.resume import (
     restore_source,
     validate_state,
 )
-from evenflow.engine._pipeline.stats import StepStats
+from evenflow.engine._pipeline.stats import BalanceTally, StepStats
 from evenflow.engine._pipeline.step import StepState
+from evenflow.engine._pipeline.world import WorldRound
 from evenflow.engine._sources._common import SourceReport
 from evenflow.engine._tracing import StallMeter
-from evenflow.engine.errors import LoaderStateError, StallTimeoutError
+from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
 from evenflow.transports._registry import create_transport
 
@@ -77,6 +79,7 @@ class BalancedLoader(LoaderFacade):
         cpu_fields: Sequence[str] = (),
         tracer: Any = None,
         stats_callback: Callable[[StepStats], None] | None = None,
+        world_transport: Transport | None = None,
     ) -> None:
 
         super().__init__()
@@ -102,6 +105,7 @@ class BalancedLoader(LoaderFacade):
         self._source = guard_one_shot(source)
         self._config = config
         self._transport, self._owns_transport = _resolve_transport(transport, config)
+        self._world_transport = _check_world_transport(world_transport, self._transport)
         parts = loader_parts(
             config,
             num_ranks=self._transport.num_ranks,
@@ -150,6 +154,8 @@ class BalancedLoader(LoaderFacade):
         self._first_step = 0
         self._delivered = 0  # steps delivered in this pass, counting restored ones
         self._last_stats: StepStats | None = None
+        self._balance = BalanceTally()
+        self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
         self._source_state: Any = None
         self._restored: dict[str, Any] | None = None
@@ -182,6 +188,19 @@ class BalancedLoader(LoaderFacade):
         return self._last_stats
 
     @property
+    def last_loss_tokens(self) -> LossTokens | None:
+        """Loss targets of the last delivered step on this rank, its balance group and the
+        whole data-parallel world; ``None`` before the first step or when a sample's count is
+        unknown (a custom ``pack_fn`` whose ``metadata_fn`` sets no ``loss_tokens``)."""
+        return self._last_loss_tokens
+
+    @property
+    def world_transport(self) -> Transport | None:
+        """The transport of the world round across balance groups (``None``: the balance
+        group is the whole world)."""
+        return self._world_transport
+
+    @property
     def last_pass(self) -> PassSummary | None:
         """How the last finished pass ended and what it left unread (``None`` until one
         ends: by its sources, ``max_steps`` or ``set_epoch()``)."""
@@ -210,10 +229,13 @@ class BalancedLoader(LoaderFacade):
         return min(v for v in (limit, size) if v is not None)
 
     def trace_summary(self) -> dict[str, Any]:
-        """Per-stage timings (when tracing) and the caller's data stall versus compute."""
+        """Per-stage timings (when tracing), the caller's data stall versus compute, and how
+        close the delivered steps' plans were to their bounds (``"balance"``: see
+        :class:`BalanceTally`)."""
         summary = dict(self._tracer.summary())
         summary["caller"] = self._meter.summary()
         summary["pass"] = None if self._last_pass is None else self._last_pass.to_dict()
+        summary["balance"] = self._balance.to_dict()
         return summary
 
     def fingerprint(self, *, for_resume: bool = False) -> str:
@@ -312,6 +334,7 @@ class BalancedLoader(LoaderFacade):
         self._source_state = None
         self._last_host_batch = None
         self._last_stats = None
+        self._last_loss_tokens = None
         self._pass_samples = self._pass_tokens = 0
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
@@ -388,6 +411,7 @@ class BalancedLoader(LoaderFacade):
             cpu_executor=self._cpu,
             source_executor=self._source_executor,
             initial_iter=initial_iter,
+            world=WorldRound(self._world_transport, on_uneven_end=self._config.on_uneven_end),
             assigned=self._assigned,
             dataset=self._dataset,
         )
@@ -468,6 +492,10 @@ class BalancedLoader(LoaderFacade):
         self._delivered = state.step + 1
         self._source_state = state.source_state
         self._last_stats = state.stats
+        world = state.loss_world if self._world_transport is not None else state.loss_group
+        self._last_loss_tokens = step_loss_tokens(
+            state.step, state.loss_rank, state.loss_group, world
+        )
         self._last_host_batch = state.host_batch
         routes, plan = state.routes, state.plan
         if routes is not None and plan is not None:
@@ -477,6 +505,7 @@ class BalancedLoader(LoaderFacade):
             self._pass_tokens += int(plan.layout.tokens[rank * per : (rank + 1) * per].sum())
         stats = state.stats
         if stats is not None:
+            self._balance.add(stats)
             if (
                 self._config.log_stats
                 and self._transport.rank == 0
@@ -522,3 +551,25 @@ def _resolve_transport(
     raise TypeError(
         f"transport must be a Transport, a transport name or None, but got {transport!r:.80}."
     )
+
+
+def _check_world_transport(world: object, transport: Transport) -> Transport | None:
+    if world is None:
+        return None
+    if not isinstance(world, Transport):
+        raise TypeError(
+            f"world_transport must be a Transport or None, but got {world!r:.80}; pass a "
+            "transport over one rank of every data-parallel coordinate, or None when the "
+            "balance group is the whole world."
+        )
+    if world is transport:
+        raise ConfigError(
+            "world_transport must not be the balance group's transport: each group's "
+            "collectives need their own transport (and thread). Pass a separate one, or None."
+        )
+    if world.launch_on_caller:
+        raise ConfigError(
+            f"world_transport {world.name!r} launches on the caller's thread; the world round "
+            "runs in the background. Pass a Gloo (CPU) transport."
+        )
+    return world

@@ -103,8 +103,12 @@ def lockstep_assign(problem: BalanceProblem, assign: Assign) -> FlatLayout | Non
         return None
     as_makespan = dataclasses.replace(problem, objective=makespan)
     if per == 1:
+        # One bin per rank: lockstep is the makespan; its plan (settled, homecoming included,
+        # which keeps every rank at or below that makespan) is the lockstep plan.
         found = assign(as_makespan)
-        return None if found is None else FlatLayout(*_flatten(found))
+        if found is None or isinstance(found, FlatLayout):
+            return found
+        return FlatLayout(*_flatten(found))
     source = FlatLayout(*_flatten(problem.source_bins))
     home = problem._rank_of_flat(source.flat, source.sizes)
     starts = [source]

@@ -142,7 +142,7 @@ def _single(planner: Planner, plan: Plan, step: int) -> WindowPlan:
     assert state is not None
     problem = state[0]
     costs, tokens = np.asarray(problem.costs), np.asarray(problem.tokens)
-    bound = _step_bound(planner, costs, tokens)
+    bound = _step_bound(planner, plan, costs, tokens)
     return WindowPlan(
         first_step=step,
         plans=(plan,),
@@ -156,12 +156,20 @@ def _single(planner: Planner, plan: Plan, step: int) -> WindowPlan:
     )
 
 
-def _step_bound(planner: Planner, costs: np.ndarray, tokens: np.ndarray) -> float:
+def _step_bound(planner: Planner, plan: Plan, costs: np.ndarray, tokens: np.ndarray) -> float:
+    """The bound of one read step planned alone: the plan's proven makespan bound, and under
+    lockstep also the lockstep bound of its samples."""
+    proven = max(plan.decision.lower_bound, makespan_lower_bound(costs, planner.num_ranks))
     if planner.objective is lockstep:
         return lockstep_lower_bound(
-            costs, tokens, planner.num_ranks, planner.bins_per_rank, planner.seq_len
+            costs,
+            tokens,
+            planner.num_ranks,
+            planner.bins_per_rank,
+            planner.seq_len,
+            makespan_bound=proven,
         )
-    return makespan_lower_bound(costs, planner.num_ranks)
+    return proven
 
 
 def _merge(columns: Sequence[StepColumns], first_step: int) -> tuple[StepColumns, np.ndarray]:
@@ -344,7 +352,7 @@ class _Window:
         step_of = np.empty(costs.size, dtype=np.int64)
         step_of[flat] = np.repeat(np.arange(nb, dtype=np.int64) // steps_per_rank, sizes)
         read_bounds = tuple(
-            _step_bound(planner, costs[self.read == s], tokens[self.read == s])
+            _step_bound(planner, self.per_step[s], costs[self.read == s], tokens[self.read == s])
             for s in range(num_steps)
         )
         lower = window_lower_bound(
@@ -408,6 +416,10 @@ class _Window:
                         else 0.0,
                         min_balance_gain=planner.min_balance_gain,
                         accepted=True,
+                        makespan=float(rank_costs[s].max(initial=0.0)),
+                        lower_bound=makespan_lower_bound(costs[step_of == s], num_ranks),
+                        mean_cost=float(costs[step_of == s].sum()) / num_ranks,
+                        largest_cost=float(costs[step_of == s].max(initial=0.0)),
                     ),
                     num_moved=int(np.count_nonzero(dest != self.home[f])),
                     digest=layout.digest(step, planner.seq_len),
