@@ -271,6 +271,10 @@ class Planner:
                 flat, sizes = settle(problem, flat, sizes, home, score=self._layout_score(problem))
                 dest_rank = problem._rank_of_flat(flat, sizes)
                 candidate_costs = problem.rank_costs_of(dest_rank)
+                # Settling never scores worse but may score better (a sample sent home can
+                # lower a position's maximum under lockstep): report what is delivered.
+                candidate_score = self._score(candidate_costs, problem, flat, sizes)
+                gain = (original - candidate_score) / original if original > 0 else 0.0
             candidate_final_costs = candidate_costs
         if self.objective is lockstep:
             # Positions align across ranks: every rank's bins costliest first (the source's
