@@ -226,3 +226,18 @@ async def test_load_state_dict_after_iteration_started_is_refused() -> None:
     with pytest.raises(LoaderStateError, match="before iteration starts"):
         loader.load_state_dict(states[0][2])
     await loader.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_per_rank_entry_merged_or_moved_across_ranks_is_refused() -> None:
+    """What a checkpoint that keeps one copy per key does to per-rank data saved under a
+    shared key: values of several ranks in one entry, or another rank's entry."""
+    _, states = await _record(2, StatefulSource)
+    mine, theirs = states[0][3]["ranks"]["0"], states[1][3]["ranks"]["1"]
+    later = states[1][5]["ranks"]["1"]  # rank 1's source two steps on
+    mixed = {**states[0][3], "ranks": {"0": {**mine, "source": later["source"]}}}
+    with pytest.raises(ResumeError, match="mixes values saved by different ranks"):
+        _loaders(2, StatefulSource, depth=2)[0].load_state_dict(mixed)
+    moved = {**states[0][3], "ranks": {"0": theirs}}
+    with pytest.raises(ResumeError, match=r"saved as group rank 1 .* this loader is group rank 0"):
+        _loaders(2, StatefulSource, depth=2)[0].load_state_dict(moved)
