@@ -76,3 +76,12 @@ def test_the_stress_mix_is_one_percent_long() -> None:
     weights = [c.weight for c in planner_window.STRESS.components]
     assert weights == [0.99, 0.01]
     assert set(planner_window.WINDOW_MIXES) == {"sft", "longctx", "stress"}
+
+
+def test_lockstep_skips_huge_shapes_unless_asked(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--lockstep", "--json", "--ranks", "1024", "--bins", "16", "--steps", "1"]
+    code, out, _ = _run(capsys, argv)
+    doc = json.loads(out)
+    assert doc["skipped"] == [{"num_ranks": 1024, "bins_per_rank": 16}]
+    assert doc["rows"] == [] and code == 0
+    assert {t["status"] for t in doc["targets"]} == {"NOT RUN"}

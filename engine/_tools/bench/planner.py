@@ -1041,6 +1041,7 @@ def _lockstep_main(args: argparse.Namespace, prog: str) -> int:
         packers=args.packers or PACKERS,
         steps=args.steps or (2 if quick else None),
         seed=args.seed,
+        max_bins=None if args.no_skip else _MAX_BINS,
     )
     if args.json:
         print(json.dumps(doc, indent=1))

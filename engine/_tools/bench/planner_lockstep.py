@@ -125,9 +125,17 @@ def run_lockstep(
     packers: Sequence[str],
     steps: int | None,
     seed: int,
+    max_bins: int | None = None,
 ) -> dict[str, Any]:
-    """Run the sweep; the JSON document :func:`print_lockstep` prints."""
+    """Run the sweep; the JSON document :func:`print_lockstep` prints. Shapes with more than
+    ``max_bins`` bins per step are skipped and listed (as in the default tables)."""
     started = time.perf_counter()
+    skipped = [
+        {"num_ranks": r, "bins_per_rank": b}
+        for r in ranks
+        for b in bins
+        if max_bins is not None and r * b > max_bins
+    ]
     cases = [
         _case(
             distribution=d,
@@ -140,6 +148,7 @@ def run_lockstep(
         )
         for r in ranks
         for b in bins
+        if max_bins is None or r * b <= max_bins
         for d in distributions
         for p in packers
         for a in linear
@@ -181,6 +190,7 @@ def run_lockstep(
             "packers": list(packers),
             "seed": seed,
         },
+        "skipped": skipped,
         "rows": rows,
         "targets": _targets(rows),
         "wall_s": time.perf_counter() - started,
@@ -227,6 +237,11 @@ def print_lockstep(doc: dict[str, Any]) -> None:
         f"evenflow planner lockstep benchmark: ranks {cfg['ranks']}, bins {cfg['bins']}, "
         f"cost a*L+L^2 with a in {cfg['linear']}, packers {cfg['packers']}, seed {cfg['seed']}"
     )
+    for skip in doc["skipped"]:
+        print(
+            f"skipped {skip['num_ranks']} ranks x {skip['bins_per_rank']} bins: past the "
+            "planning target's scale; pass --no-skip to run it"
+        )
     print("lockstep cost / lower bound - 1 (excess), p50/p90 over steps (packers, costs pooled)")
     header = (
         f"{'distribution':<14}{'ranks':>6}{'bins':>5}{'steps':>6}  "
