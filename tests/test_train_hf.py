@@ -191,3 +191,28 @@ def test_the_world_round_sums_loss_tokens_across_balance_groups(pool: RankPool) 
             "group": counted[r],
             "world": sum(counted),
         }
+
+
+def _rank_follower(rank: int, num_ranks: int) -> dict[str, Any]:
+    """A (dp=1, tp=2) mesh: rank 1 receives rank 0's batches, and its loss tokens with them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from evenflow.engine import LoaderConfig, build_loader
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, timeout=30.0, log_stats=False)
+    source = _steps(0) if rank == 0 else None
+    with build_loader(source, config, mesh=mesh) as loader:
+        next(iter(loader))
+        tokens = loader.last_loss_tokens
+        role = loader.is_constructor
+    assert tokens is not None
+    return {"tokens": tokens.to_dict(), "constructor": role}
+
+
+@pytest.mark.multiprocess
+def test_a_model_parallel_follower_gets_its_constructors_loss_tokens(pool: RankPool) -> None:
+    constructor, follower = pool.run(_rank_follower, deadline=90.0)
+    assert constructor["constructor"] and not follower["constructor"]
+    assert follower["tokens"] == constructor["tokens"]
+    assert constructor["tokens"]["world"] == constructor["tokens"]["rank"] > 0
