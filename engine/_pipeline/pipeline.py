@@ -60,7 +60,7 @@ from evenflow.engine.errors import (
     PlanningError,
     RemoteStageError,
 )
-from evenflow.transports import Transport
+from evenflow.transports import Prepared, Transport
 from evenflow.transports.errors import (
     CollectiveMismatchError,
     PeerEncodeError,
@@ -104,6 +104,7 @@ class Pipeline:
             cpu_executor=cpu_executor,
             source_executor=source_executor,
             initial_iter=initial_iter,
+            prepare_payloads=assigned is None and transport.num_ranks > 1,
         )
         self._config = config
         self._transport = transport
@@ -416,6 +417,11 @@ class Pipeline:
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
         if state.step == self.first_step:
             msg["dataset"] = self._dataset
+        if state.prepared is not None and state.status == "ok":
+            # Frame sizes: every receiver sizes its exchange buffer from them and the plan.
+            msg["nbytes"] = np.fromiter(
+                (p.nbytes for p in state.prepared), dtype=np.int64, count=len(state.prepared)
+            )
         if self._assigned is not None and state.status == "ok" and state.samples is not None:
             msg["indices"] = np.fromiter(
                 (s.dataset_index for s in state.samples), dtype=np.int64, count=len(state.samples)
@@ -515,10 +521,10 @@ class Pipeline:
         moves = plan is not None and plan.num_moved > 0
         await self._sequencer.turn(state.step, "exchange")
         if moves:
-            outgoing = self._outgoing(state) if state.error is None else {}
+            outgoing, incoming = self._sized(state)
             self._exchanging = state.step
             try:
-                state.received = await self._transport.exchange(outgoing)
+                state.received = await self._transport.exchange_sized(outgoing, incoming)
             except PeerEncodeError as exc:
                 # No data moved anywhere; the failing rank announces its own error in the next
                 # metadata round, which replaces this summary with its message.
@@ -560,12 +566,31 @@ class Pipeline:
         except Exception as exc:
             state.fail("read_assigned", exc)
 
-    def _outgoing(self, state: StepState) -> dict[int, list[tuple[Any, Any]]]:
-        assert state.samples is not None and state.routes is not None
-        local = state.samples
-        return {
-            dest: [(key, local[key[2]]) for key in keys] for dest, keys in state.routes.send.items()
+    def _sized(
+        self, state: StepState
+    ) -> tuple[dict[int, list[tuple[Any, Prepared]]], dict[int, list[tuple[Any, int]]]]:
+        """What this rank sends (its prepared samples, by target) and what it receives (keys
+        and frame sizes, by sender), both from the plan and the gathered metadata, which every
+        rank shares; so both sides of every pair count the same bytes and the exchange needs
+        no sizes collective. Both lists follow the receiver's pack order."""
+        routes, messages = state.routes, state.messages
+        assert routes is not None and messages is not None
+        sizes = [np.asarray(m["nbytes"], dtype=np.int64) for m in messages]
+        prepared = state.prepared
+        if prepared is None or state.error is not None:
+            # Cannot happen while read errors end the step at its gather; kept safe anyway:
+            # the announced number of bytes still goes out, as zeros the receivers report.
+            own = sizes[self._rank]
+            prepared = [Prepared.zeros(int(n)) for n in own]
+        outgoing = {
+            dest: [(key, prepared[key[2]]) for key in keys] for dest, keys in routes.send.items()
         }
+        incoming: dict[int, list[tuple[Any, int]]] = {}
+        for keys in routes.bins:
+            for key in keys:
+                if key[0] != self._rank:
+                    incoming.setdefault(key[0], []).append((key, int(sizes[key[0]][key[2]])))
+        return outgoing, incoming
 
     # -- pack ---------------------------------------------------------------------------------
 

@@ -68,6 +68,7 @@ class StepState:
     samples: list[Any] | None = None  # this rank's samples, bin after bin, as read
     sizes: list[int] | None = None  # samples per bin of ``samples``
     metas: list[SampleMetadata] | None = None
+    prepared: list[Any] | None = None  # payload mode: each sample prepared for the wire
     source_state: Any = None
     steps_left: int | None = None  # source steps after this one, where the source has a len()
     error: BaseException | None = None
@@ -97,6 +98,7 @@ class StepState:
 
     def release_payloads(self) -> None:
         self.samples = None
+        self.prepared = None
         self.messages = None
         self.received = {}
 
