@@ -4,10 +4,11 @@ processes, with balancing on and off.
 
 With the documented recipe (each microbatch's summed token loss divided by the world's loss
 tokens, times what the gradient reduction divides by) the parameter update is the same with
-and without balancing, under DDP and under FSDP2 (``fully_shard`` on a CPU ``DeviceMesh``, planned with the lockstep objective
-where this evenflow has it): max relative difference ≤ 1e-5 in float32. The usual per-rank mean (``loss.mean()`` per
-microbatch, averaged over microbatches and ranks) weights tokens by how many share their rank,
-which the plan changes: its updates differ visibly, which is what lets these tests fail.
+and without balancing, under DDP and under FSDP2 (``fully_shard`` on a CPU ``DeviceMesh``,
+planned with the lockstep objective where this evenflow has it): max relative difference
+≤ 1e-5 in float32. The usual per-rank mean (``loss.mean()`` per microbatch, averaged over
+microbatches and ranks) weights tokens by how many share their rank, which the plan changes:
+its updates differ visibly, which is what lets these tests fail.
 
 One pool of two processes serves the whole module (importing transformers dominates its cost).
 """
