@@ -43,9 +43,11 @@ class LoaderConfig:
         device_prefetch_depth: how many prepared, undelivered steps may sit on the training
             device (``None``: as many as are prepared, up to ``prefetch_depth + 1``). The
             other prepared steps wait on the host, pinned, and are copied as the caller takes
-            earlier ones. At most ``prefetch_depth``; it bounds the device memory the loader's
-            batches take to ``(device_prefetch_depth + 1)`` steps, the one the caller holds
-            included (see the reference for the arithmetic). Only meaningful with a device.
+            earlier ones. At most ``prefetch_depth``. The loader's batches then take at most
+            ``device_prefetch_depth + 1`` steps of device memory between ``next()`` calls
+            (the caller's step included) and one more during ``next()`` while the loop still
+            holds the previous batch (docs/reference/config.md has the arithmetic). Only
+            meaningful with a device.
         min_balance_gain: a re-balanced layout is used only when it lowers the objective by
             strictly more than this fraction (``0.0`` = any strict improvement).
         objective: ``"makespan"`` (the slowest rank's cost: DDP, where a rank runs its

@@ -114,8 +114,6 @@ def test_stager_copies_on_its_own_stream_without_a_host_sync(
     assert isinstance(staged, StagedBatch)
     # No host synchronisation: the training stream's kernel is still running.
     assert not busy_end.query(), "stage() waited for the device"
-    pinned = stager.pin(host)
-    assert pinned["input_ids"].is_pinned() and pinned["meta"] == "kept"
     assert all(t.is_pinned() for _, staging in stager._retained for t in staging.values())
     # The copy ran on the stager's own stream and finished while the training stream was busy.
     staged.event.synchronize()
@@ -132,6 +130,10 @@ def test_stager_copies_on_its_own_stream_without_a_host_sync(
     done.synchronize()
     assert int(total) == (1 << 22) * ((1 << 22) - 1) // 2
     assert busy_start.elapsed_time(busy_end) > 0
+    # What waits on the host for a device slot waits pinned (checked last: a fresh pinned
+    # allocation may synchronise the device).
+    pinned = stager.pin(host)
+    assert pinned["input_ids"].is_pinned() and pinned["meta"] == "kept"
     stager.close()
     assert stager.num_retained == 0
 
@@ -282,7 +284,8 @@ def test_nccl_loader_on_two_processes(use_build: bool) -> None:
                 timeout=30.0,
             )
         except RankFailedError as exc:
-            if "duplicate gpu" in str(exc).lower():
+            text = str(exc).lower()
+            if "duplicate gpu" in text or "invalid usage" in text:
                 pytest.skip(f"NCCL refuses two ranks on one GPU here: {exc}")
             raise
     _check_loader_run(results)

@@ -4,10 +4,11 @@ processes, with balancing on and off.
 
 With the documented recipe (each microbatch's summed token loss divided by the world's loss
 tokens, times what the gradient reduction divides by) the parameter update is the same with
-and without balancing, under DDP and under FSDP2 (``fully_shard`` on a CPU ``DeviceMesh``):
-max relative difference ≤ 1e-5 in float32. The usual per-rank mean (``loss.mean()`` per
-microbatch, averaged over microbatches and ranks) weights tokens by how many share their rank,
-which the plan changes: its updates differ visibly, which is what lets these tests fail.
+and without balancing, under DDP and under FSDP2 (``fully_shard`` on a CPU ``DeviceMesh``,
+planned with the lockstep objective where this evenflow has it): max relative difference
+≤ 1e-5 in float32. The usual per-rank mean (``loss.mean()`` per microbatch, averaged over
+microbatches and ranks) weights tokens by how many share their rank, which the plan changes:
+its updates differ visibly, which is what lets these tests fail.
 
 One pool of two processes serves the whole module (importing transformers dominates its cost).
 """
@@ -78,6 +79,21 @@ def _model() -> Any:
     return transformers.LlamaForCausalLM(config)
 
 
+def _objective(parallel: str) -> Any:
+    """FSDP synchronises ranks at every microbatch: plan it with the lockstep objective where
+    this evenflow has it, else with the default one."""
+    from evenflow.engine import LoaderConfig
+    from evenflow.engine.errors import ConfigError
+
+    if parallel == "fsdp":
+        try:
+            LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, objective="lockstep")
+        except ConfigError:
+            return "makespan"
+        return "lockstep"
+    return "makespan"
+
+
 def _one_step(rank: int, parallel: str, balance: bool, recipes: tuple[str, ...]) -> dict[str, Any]:
     """Load one step (balanced or not) and train it once per recipe from the same weights."""
     import torch
@@ -90,7 +106,12 @@ def _one_step(rank: int, parallel: str, balance: bool, recipes: tuple[str, ...])
 
     world_size = dist.get_world_size()
     config = LoaderConfig(
-        seq_len=SEQ_LEN, bins_per_rank=2, balance=balance, timeout=30.0, log_stats=False
+        seq_len=SEQ_LEN,
+        bins_per_rank=2,
+        balance=balance,
+        objective=_objective(parallel),
+        timeout=30.0,
+        log_stats=False,
     )
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     where = {"mesh": mesh} if parallel == "fsdp" else {"balance_group_size": world_size}
@@ -143,6 +164,7 @@ def _rank_compare(rank: int, num_ranks: int, parallel: str) -> dict[str, Any]:
     on = _one_step(rank, parallel, True, recipes)
     off = _one_step(rank, parallel, False, recipes)
     result: dict[str, Any] = {"moved": on["moved"], "tokens_on": on["tokens"]}
+    result["objective"] = _objective(parallel)
     result["tokens_off"] = off["tokens"]
     for recipe in recipes:
         a, b = on["updates"][recipe], off["updates"][recipe]
@@ -191,3 +213,28 @@ def test_the_world_round_sums_loss_tokens_across_balance_groups(pool: RankPool) 
             "group": counted[r],
             "world": sum(counted),
         }
+
+
+def _rank_follower(rank: int, num_ranks: int) -> dict[str, Any]:
+    """A (dp=1, tp=2) mesh: rank 1 receives rank 0's batches, and its loss tokens with them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from evenflow.engine import LoaderConfig, build_loader
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, timeout=30.0, log_stats=False)
+    source = _steps(0) if rank == 0 else None
+    with build_loader(source, config, mesh=mesh) as loader:
+        next(iter(loader))
+        tokens = loader.last_loss_tokens
+        role = loader.is_constructor
+    assert tokens is not None
+    return {"tokens": tokens.to_dict(), "constructor": role}
+
+
+@pytest.mark.multiprocess
+def test_a_model_parallel_follower_gets_its_constructors_loss_tokens(pool: RankPool) -> None:
+    constructor, follower = pool.run(_rank_follower, deadline=90.0)
+    assert constructor["constructor"] and not follower["constructor"]
+    assert follower["tokens"] == constructor["tokens"]
+    assert constructor["tokens"]["world"] == constructor["tokens"]["rank"] > 0

@@ -146,16 +146,21 @@ def with_loss_tokens(metadata_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def describe(sample: Any) -> Any:
         meta = metadata_fn(sample)
         if isinstance(meta, int) and not isinstance(meta, bool):
-            meta = SampleMetadata(tokens=meta)
-        if not isinstance(meta, SampleMetadata) or meta.loss_tokens is not None:
+            tokens, given = meta, None
+        elif isinstance(meta, SampleMetadata) and meta.loss_tokens is None:
+            tokens, given = meta.tokens, meta
+        else:
             return meta
         if isinstance(sample, IndexedSample):
-            return meta
-        if isinstance(sample, Mapping) and sample.get("labels") is not None:
-            loss = count_loss_tokens(sample)
-        else:
-            loss = meta.tokens - 1
-        return dataclasses.replace(meta, loss_tokens=loss)
+            return given if given is not None else SampleMetadata(tokens=tokens)
+        # The common case, a plain dict, without the slower Mapping check.
+        labels = (
+            sample.get("labels") if type(sample) is dict or isinstance(sample, Mapping) else None
+        )
+        loss = tokens - 1 if labels is None else count_loss_tokens(sample)
+        if given is None:  # one construction (and validation) per sample
+            return SampleMetadata(tokens=tokens, loss_tokens=loss)
+        return dataclasses.replace(given, loss_tokens=loss)
 
     return describe
 

@@ -14,6 +14,7 @@ from evenflow.engine import (
     BalancedLoader,
     DistributedLoader,
     LoaderConfig,
+    LossTokens,
     Planner,
     SampleMetadata,
     StepStats,
@@ -39,6 +40,10 @@ def check_public_types(transport: GlooTransport) -> None:
     assert_type(loader, BalancedLoader)
     stats = loader.last_stats
     assert_type(stats, StepStats | None)
+    tokens = loader.last_loss_tokens
+    assert_type(tokens, LossTokens | None)
+    if tokens is not None:
+        assert_type(tokens.loss_scale(2), float)
     assert_type(transport, GlooTransport)
     generic: Transport = transport
     assert_type(generic, Transport)
