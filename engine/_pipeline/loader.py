@@ -28,6 +28,7 @@ from evenflow.engine._pipeline.resume import (
     STATE_VERSION,
     restore_source,
     validate_state,
+    window_first,
 )
 from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import StepState
@@ -131,6 +132,7 @@ class BalancedLoader(LoaderFacade):
         self._pass_finished = False
         self._epoch = 0
         self._first_step = 0
+        self._read_from = 0  # the first step the pass reads: its first window's first step
         self._delivered = 0  # steps delivered in this pass, counting restored ones
         self._last_stats: StepStats | None = None
         self._last_host_batch: Any = None
@@ -245,7 +247,7 @@ class BalancedLoader(LoaderFacade):
 
         def done() -> bool:
             if goal == "plan":
-                return pipeline.gathered_step >= target
+                return pipeline.planned(target)
             return max(pipeline.exchanged_step, pipeline.exchange_launched_step) >= target
 
         await run.loop(pipeline.wait_until(done), pump=True)
@@ -290,7 +292,7 @@ class BalancedLoader(LoaderFacade):
         self._restored = None
         self._epoch = epoch
         self._pass_finished = False
-        self._first_step = 0
+        self._first_step = self._read_from = 0
         self._delivered = 0
         self._source_state = None
         self._last_host_batch = None
@@ -304,13 +306,17 @@ class BalancedLoader(LoaderFacade):
         """The consumed position: plain data (msgpack- and ``torch.save``-friendly).
 
         Describes the steps *delivered* to the caller only; prefetched steps are not counted,
-        so a restored loader re-reads and re-delivers them exactly.
+        so a restored loader re-reads and re-delivers them exactly. ``source`` is the source's
+        position at ``window_first``, the first step of the balance window that holds the
+        next step (``step`` itself when ``balance_window`` is 1): a restored loader reads the
+        window again from there, plans it identically and skips the steps already delivered.
         """
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "epoch": self._epoch,
             "step": self._delivered,
+            "window_first": window_first(self._delivered, self._config.balance_window),
             "source": self._source_state,
             "source_stateful": callable(getattr(self._source, "state_dict", None)),
             "rank": self._transport.rank,
@@ -328,12 +334,14 @@ class BalancedLoader(LoaderFacade):
                 "set_epoch()); this loader has already delivered or prefetched steps."
             )
         validate_state(state, self)
+        self._first_step = self._delivered = int(state["step"])
+        self._read_from = window_first(self._delivered, self._config.balance_window)
+        state = {**state, "window_first": self._read_from}
         self._epoch = int(state["epoch"])
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
         self._restored = state
-        self._first_step = self._delivered = int(state["step"])
         self._source_state = state["source"]
 
     # -- internals ---------------------------------------------------------------------------
@@ -371,6 +379,8 @@ class BalancedLoader(LoaderFacade):
             cpu_executor=self._cpu,
             source_executor=self._source_executor,
             initial_iter=initial_iter,
+            read_from=self._read_from,
+            initial_source_state=self._source_state,
         )
         if self._launcher is not None:
             self._launcher.on_final = lambda op: (
@@ -381,18 +391,24 @@ class BalancedLoader(LoaderFacade):
 
     async def _next_state(self, pipeline: Pipeline) -> StepState | None:
         try:
-            # Every collective is bounded by the timeout on its own; a step may need two of
-            # them (its exchange and the next metadata round), hence twice the timeout.
-            async with asyncio.timeout(2 * self._config.timeout):
+            async with asyncio.timeout(self._stall_limit):
                 return await pipeline.next_state()
         except TimeoutError:
             if pipeline.finished:
                 raise
             raise StallTimeoutError(
-                f"No step arrived within 2 x timeout={self._config.timeout:g} s on rank "
+                f"No step arrived within {self._config.balance_window + 1} x "
+                f"timeout={self._config.timeout:g} s on rank "
                 f"{self._transport.rank}; the pipeline is at {pipeline.position()}. A source "
                 "or callback may be blocked; raise LoaderConfig.timeout if steps are slower."
             ) from None
+
+    @property
+    def _stall_limit(self) -> float:
+        # Every collective is bounded by the timeout on its own. A step needs its exchange and
+        # the next metadata round; in a balance window of W steps its first step also waits
+        # for the window's other W - 1 rounds: (W + 1) timeouts in all.
+        return (self._config.balance_window + 1) * self._config.timeout
 
     async def _finish_pass(self) -> None:
         pipeline = self._pipeline
@@ -416,6 +432,7 @@ class BalancedLoader(LoaderFacade):
             tokens=self._pass_tokens,
             uneven=None if final is None else final.uneven,
             source=report if isinstance(report, SourceReport) else None,
+            num_discarded_samples=pipeline.num_discarded_samples,
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -445,7 +462,7 @@ class BalancedLoader(LoaderFacade):
     def _deliver(self, state: StepState) -> Any:
         batch = self._stager.deliver(state.staged)
         self._delivered = state.step + 1
-        self._source_state = state.source_state
+        self._source_state = state.resume_source
         self._last_stats = state.stats
         self._last_host_batch = state.host_batch
         routes, plan = state.routes, state.plan

@@ -130,7 +130,10 @@ class PassSummary:
     before the end). ``steps``: steps delivered in the pass, a restored position included;
     ``samples``/``tokens``: what this rank trained on in the steps delivered in this process.
     ``source``: the source's own report of the epoch (``DatasetSource``/``IterableSource``:
-    the remainder it leaves unread, by design), when it has one.
+    the remainder it leaves unread, by design), when it has one. ``num_discarded_samples``:
+    samples this rank would have trained in steps that were prepared (read, planned, packed)
+    but not delivered because ``set_epoch()`` ended the pass early — up to
+    ``balance_window + prefetch_depth`` steps' worth.
     """
 
     epoch: int
@@ -140,6 +143,7 @@ class PassSummary:
     tokens: int
     uneven: UnevenEnd | None = None
     source: SourceReport | None = None
+    num_discarded_samples: int = 0
 
     @property
     def num_dropped_samples(self) -> int:
@@ -158,6 +162,11 @@ class PassSummary:
                 f"; {self.uneven.num_unread_samples} samples left unread at the uneven end "
                 f"(step {self.uneven.step})"
             )
+        if self.num_discarded_samples:
+            line += (
+                f"; {self.num_discarded_samples} samples of steps prepared ahead were "
+                "discarded by the restart"
+            )
         if self.source is not None:
             line += (
                 f"; the source left {self.source.num_dropped_samples} samples of the epoch "
@@ -174,6 +183,7 @@ class PassSummary:
             "samples": self.samples,
             "tokens": self.tokens,
             "num_dropped_samples": self.num_dropped_samples,
+            "num_discarded_samples": self.num_discarded_samples,
             "uneven": None if self.uneven is None else self.uneven.to_dict(),
             "source": None
             if source is None

@@ -17,7 +17,22 @@ ends the pipeline: the sequencer fails and every waiting stage and caller is rel
 
 Step ``s`` is handed to the caller only when the metadata round of ``s + 1`` (or the final
 ``end`` round) has confirmed that every rank finished ``s``. At most ``prefetch_depth + 1``
-steps are read and not yet delivered.
+steps are read and not yet delivered (a balance window raises that, as below).
+
+With a balance window of ``W = balance_window > 1`` steps the plan stage holds the gathered
+steps of a window until its last one arrives, plans them together, and lets them flow on one
+by one (see :class:`WindowSequencer` for the order of collectives). A step's samples may come
+from any step of its window, so the reading rank keeps each sample (in the window's shared
+``window_samples``) until the step that trains it has sent or packed it. The round that follows
+a window's last settle (the next window's first gather) confirms all of its steps at once, so
+the window's first step is delivered only after its last is read and settled, and at most
+``W + prefetch_depth`` steps are read and not yet delivered: the read stage takes one of that
+many slots per step and delivery returns it. A pass that ends in the middle of a window (a
+source's end or error, or ``drain()``) plans and delivers the steps read before the end, then a
+``final`` round confirms them; a pass limited by ``max_steps`` ends its last window there.
+A restored pass starts reading at its window's first step (``read_from``) and skips the steps
+delivered before the save (``first_step`` is the first one delivered): they are gathered and
+planned again, identically, but never exchanged or delivered.
 """
 
 from __future__ import annotations
@@ -26,7 +41,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import anyio
@@ -35,13 +50,19 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
 from evenflow.engine._pipeline.plan_stage import PlanStage
-from evenflow.engine._pipeline.sequencer import Sequencer
+from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
 from evenflow.engine._pipeline.source import SourceReader
 from evenflow.engine._pipeline.step import (
     StepState,
     build_message,
 )
-from evenflow.engine._pipeline.verdict import confirm_prev, judge_round, prev_status
+from evenflow.engine._pipeline.verdict import (
+    confirm_prev,
+    confirm_reports,
+    judge_round,
+    prev_status,
+    window_reports,
+)
 from evenflow.engine.errors import (
     LoaderStateError,
     PlanningError,
@@ -80,6 +101,8 @@ class Pipeline:
         cpu_executor: concurrent.futures.Executor,
         source_executor: concurrent.futures.Executor,
         initial_iter: Iterator[Any] | None = None,
+        read_from: int | None = None,
+        initial_source_state: Any = None,
     ) -> None:
         self._reader = SourceReader(
             source=source,
@@ -97,11 +120,18 @@ class Pipeline:
         self._stager = stager
         self._tracer = tracer
         self.first_step = first_step
+        self._read_from = first_step if read_from is None else read_from
+        self._initial_source_state = initial_source_state
+        self._window = config.balance_window
         self._cpu = cpu_executor
         self._rank = transport.rank
         self._global_ranks = transport.global_ranks
         self._budget_names = tuple(sorted(config.constraints.budgets))
-        self._sequencer = Sequencer(first_step)
+        self._sequencer = (
+            Sequencer(self._read_from)
+            if self._window == 1
+            else WindowSequencer(self._read_from, self._window, config.max_steps)
+        )
         self._plan_stage = PlanStage(
             planner=planner,
             transport=transport,
@@ -112,17 +142,21 @@ class Pipeline:
             on_group_failure=self._group_failed,
             on_local_failure=self._abort_after_local_planning_failure,
         )
-        depth = config.prefetch_depth + 1
+        depth = config.prefetch_depth + self._window
         self._slots = asyncio.Semaphore(depth)
         self._out_send, self._out_recv = anyio.create_memory_object_stream[StepState](depth)
-        self._prev: StepState | None = None
+        # Steps settled since the last metadata round (their reports go in the next one),
+        # and those whose reports are in the round under way, awaiting its result.
+        self._settled: list[StepState] = []
+        self._reporting: list[StepState] = []
         self._fatal: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
-        self.gathered_step = first_step - 1
+        self.gathered_step = self._read_from - 1
         self.exchanged_step = first_step - 1
         self.exchange_launched_step = first_step - 1
         self._exchanging = first_step - 1
         self._gather_done = False
+        self._ended = False  # a metadata round ended the pass
         self._progress = asyncio.Event()
         self._pending: StepState | None = None  # received, awaiting confirmation
         self._failure: BaseException | None = None  # the error already raised to the caller
@@ -131,6 +165,7 @@ class Pipeline:
         self._stop_event = asyncio.Event()
         self._recv_task: asyncio.Future[StepState] | None = None
         self.final_round: StepState | None = None  # the final metadata round of a pass's end
+        self.num_discarded_samples = 0  # samples of steps prepared here but never delivered
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -147,7 +182,10 @@ class Pipeline:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._read_stage(read_s))
                 tg.create_task(self._stage("gather", read_r, gath_s, self._gather))
-                tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
+                if self._window == 1:
+                    tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
+                else:
+                    tg.create_task(self._window_stage(gath_r, plan_s))
                 tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
                 tg.create_task(self._stage("pack", exch_r, self._out_send, self._pack))
         except BaseException as exc:  # a stage crashed, the group failed, or close() cancelled
@@ -246,8 +284,10 @@ class Pipeline:
         """End the pass early on every rank of the group without breaking collective order.
 
         Stops reading: the next read announces ``end`` (reason ``restart``) in its metadata
-        round, which ends the pass on every rank at that step. Steps already in flight are
-        finished and discarded. Peers must keep iterating or drain too.
+        round, which ends the pass on every rank at that step. Steps already in flight (a
+        balance window's steps read before the stop included) are finished and discarded;
+        ``num_discarded_samples`` counts the samples this rank would have trained in them.
+        Peers must keep iterating or drain too.
         """
         self._stop_reading = True
         self._stop_event.set()
@@ -255,8 +295,11 @@ class Pipeline:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(timeout):
                 while not self._closed and self._failure is None:
-                    if await self.next_state() is None:
+                    state = await self.next_state()
+                    if state is None:
                         break
+                    if state.routes is not None:
+                        self.num_discarded_samples += sum(map(len, state.routes.bins))
 
     def notify(self) -> None:
         """Wake :meth:`wait_until` callers (progress was made)."""
@@ -271,6 +314,13 @@ class Pipeline:
     def position(self) -> str:
         step, phase = self._sequencer.position
         return f"collective turn ({step}, {phase!r}), last gathered step {self.gathered_step}"
+
+    def planned(self, step: int) -> bool:
+        """Whether ``step``'s plan is under way: its window's last metadata round is done."""
+        last = step
+        if isinstance(self._sequencer, WindowSequencer):
+            last = self._sequencer.window_last(step)
+        return self.gathered_step >= last
 
     @property
     def finished(self) -> bool:
@@ -301,13 +351,22 @@ class Pipeline:
                 depth = recv.statistics().current_buffer_used
                 with self._tracer.span(name, state.step, queue_depth=depth):
                     await work(state)
+                if state.skip and send is self._out_send:
+                    self._slots.release()  # delivered before the restore: never again
+                    continue
                 await send.send(state)
 
     # -- read ---------------------------------------------------------------------------------
 
     async def _read_stage(self, send: MemoryObjectSendStream[StepState]) -> None:
         async with send:
-            step = self.first_step
+            step = self._read_from
+            window = self._window
+            # The source's position before the step being read, and at its window's start.
+            before = window_start = self._initial_source_state
+            if window > 1 and step == 0:
+                # A checkpoint inside the first window restores the source to its start.
+                before = await self._reader.position()
             while True:
                 limit = self._config.max_steps
                 if not self._stop_reading and limit is not None and step >= limit:
@@ -323,6 +382,14 @@ class Pipeline:
                     # source is abandoned (its result is discarded when it returns).
                     await send.send(StepState(step, status="end", end_reason="restart"))
                     return
+                if step % window == 0:
+                    window_start = before
+                before = state.source_state
+                # A checkpoint after this step restores the source at the window's start and
+                # skips what was delivered, unless the step ends its window.
+                state.resume_source = (
+                    state.source_state if (step + 1) % window == 0 else window_start
+                )
                 await send.send(state)
                 if state.status != "ok":
                     return
@@ -349,42 +416,83 @@ class Pipeline:
     # -- gather -------------------------------------------------------------------------------
 
     async def _gather(self, state: StepState) -> None:
+        if self._ended:
+            # A step read ahead of the round that ended the pass: it has no turn (a window's
+            # steps after that round would come before the window's exchanges). It waits,
+            # never announced, until the pass is closed.
+            await asyncio.get_running_loop().create_future()
         await self._sequencer.turn(state.step, "gather")
-        prev = self._prev_status()
+        messages = await self._round(state)
+        if messages is None:
+            return
+        self._judge_round(state, messages)
+        sequencer = self._sequencer
+        if (
+            state.terminal
+            and isinstance(sequencer, WindowSequencer)
+            and not sequencer.starts_window(state.step)
+            and not self._gather_failed
+        ):
+            # The pass ends in the middle of a window: the window's earlier steps are planned,
+            # delivered and confirmed by a final round first.
+            sequencer.end_window(state.step)
+            state.final_pending = True
+        await self._sequencer.advance(state.step, "gather")
+        self.gathered_step = state.step
+        self._ended = state.terminal
+        if state.terminal and state.status == "end":
+            self.final_round = state
+            if state.uneven is not None and state.remote is None:
+                logger.warning("%s", state.uneven.message("stop"))
+        self._gather_done = state.terminal and not state.final_pending
+        self.notify()
+        if not state.terminal:
+            state.confirmed = asyncio.get_running_loop().create_future()
+            if state.error is None:
+                state.messages = messages
+
+    async def _round(self, state: StepState) -> list[dict[str, Any]] | None:
+        """One metadata round for ``state`` (its turn taken): announce it with the reports on
+        the steps settled since the last round, and confirm those steps with every rank's
+        reports. ``None`` when the group failed."""
+        self._reporting, self._settled = self._settled, []
+        if self._window == 1:
+            prev: Any = prev_status(self._reporting[0], self._rank) if self._reporting else None
+        else:
+            prev = window_reports(self._reporting, self._rank)
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
         try:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
             await self._group_failed(state, exc, "gather")
+            return None
+        reporting, self._reporting = self._reporting, []
+        prevs = [m.get("prev") for m in messages]
+        if self._window == 1:
+            confirm_prev(reporting[0] if reporting else None, prevs, self._rank, self._global_ranks)
+        else:
+            confirm_reports(reporting, prevs, self._rank, self._global_ranks)
+        return messages
+
+    async def _final_round(self, state: StepState) -> None:
+        """The round after the last settle of a window the pass ended in: it confirms the
+        window's steps (the pass's end was judged in ``state``'s first round)."""
+        await self._sequencer.turn(state.step, "final")
+        if await self._round(state) is None:
             return
-        await self._sequencer.advance(state.step, "gather")
-        self.gathered_step = state.step
-        self._confirm_prev([m.get("prev") for m in messages])
-        self._judge_round(state, messages)
-        if state.terminal and state.status == "end":
-            self.final_round = state
-            if state.uneven is not None and state.remote is None:
-                logger.warning("%s", state.uneven.message("stop"))
-        self._gather_done = state.terminal
+        await self._sequencer.advance(state.step, "final")
+        self._gather_done = True
         self.notify()
-        if not state.terminal:
-            self._prev = state
-            state.confirmed = asyncio.get_running_loop().create_future()
-            if state.error is None:
-                state.messages = messages
 
-    def _prev_status(self) -> dict[str, Any] | None:
-        return prev_status(self._prev, self._rank)
-
-    def _confirm_prev(self, prevs: list[dict[str, Any] | None]) -> None:
-        prev, self._prev = self._prev, None
-        confirm_prev(prev, prevs, self._rank, self._global_ranks)
+    @property
+    def _gather_failed(self) -> bool:
+        return self._fatal is not None
 
     def _judge_round(self, state: StepState, messages: list[dict[str, Any]]) -> None:
         judge_round(
             state,
             messages,
-            first_step=self.first_step,
+            first_step=self._read_from,
             global_ranks=self._global_ranks,
             on_uneven_end=self._config.on_uneven_end,
         )
@@ -401,15 +509,53 @@ class Pipeline:
         self._confirm_all_pending(exc)
 
     def _confirm_all_pending(self, exc: BaseException) -> None:
-        prev, self._prev = self._prev, None
-        if prev is not None and prev.confirmed is not None and not prev.confirmed.done():
-            prev.remote = prev.remote or exc
-            prev.confirmed.set_result(None)
+        pending = [*self._reporting, *self._settled]
+        self._reporting, self._settled = [], []
+        for prev in pending:
+            if prev.confirmed is not None and not prev.confirmed.done():
+                prev.remote = prev.remote or exc
+                prev.confirmed.set_result(None)
 
     # -- plan ---------------------------------------------------------------------------------
 
     async def _plan(self, state: StepState) -> None:
         await self._plan_stage.run(state)
+
+    async def _window_stage(
+        self, recv: MemoryObjectReceiveStream[StepState], send: MemoryObjectSendStream[StepState]
+    ) -> None:
+        """The plan stage of a balance window: hold gathered steps until the window's last
+        one (or the round that ends the pass) arrives, plan them together, pass them on."""
+        sequencer = self._sequencer
+        assert isinstance(sequencer, WindowSequencer)
+        async with recv, send:
+            window: list[StepState] = []
+            async for state in recv:
+                if not state.terminal:
+                    window.append(state)
+                    if state.step < sequencer.window_last(state.step):
+                        continue
+                if window and not self._gather_failed:
+                    depth = recv.statistics().current_buffer_used
+                    with self._tracer.span("plan", window[0].step, queue_depth=depth):
+                        await self._plan_window(window)
+                for planned in window:
+                    await send.send(planned)
+                window = []
+                if state.terminal:
+                    await send.send(state)
+
+    async def _plan_window(self, window: list[StepState]) -> None:
+        shared = {s.step: s.samples for s in window if s.samples is not None}
+        for state in window:
+            state.window_samples = shared
+        await self._plan_stage.run_window(window)
+        for state in window:
+            if state.step < self.first_step and not state.terminal:
+                state.skip = True
+                routes = state.routes
+                if routes is not None:  # its samples trained before the restore
+                    _drop_local(shared, (*routes.send.values(), *routes.bins), self._rank)
 
     async def _abort_after_local_planning_failure(
         self, state: StepState, exc: BaseException
@@ -434,7 +580,7 @@ class Pipeline:
         if state.terminal:
             return
         plan = state.plan
-        moves = plan is not None and plan.num_moved > 0
+        moves = plan is not None and plan.num_moved > 0 and not state.skip
         await self._sequencer.turn(state.step, "exchange")
         if moves:
             outgoing = self._outgoing(state) if state.error is None else {}
@@ -459,21 +605,32 @@ class Pipeline:
                 # This rank could not encode its payloads; by the transport contract its peers
                 # were told (PeerEncodeError) and the group is still in step.
                 state.fail("exchange", exc)
+            if state.window_samples is not None and state.routes is not None:
+                # Sent: the reading rank no longer needs these samples.
+                _drop_local(state.window_samples, state.routes.send.values(), self._rank)
         self.exchanged_step = state.step
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
 
     def _outgoing(self, state: StepState) -> dict[int, list[tuple[Any, Any]]]:
-        assert state.samples is not None and state.routes is not None
-        local = state.samples
+        assert state.routes is not None
+        local = state.local_samples()
         return {
-            dest: [(key, local[key[2]]) for key in keys] for dest, keys in state.routes.send.items()
+            dest: [(key, local[key[1]][key[2]]) for key in keys]
+            for dest, keys in state.routes.send.items()
         }
 
     # -- pack ---------------------------------------------------------------------------------
 
     async def _pack(self, state: StepState) -> None:
         if state.terminal:
+            if state.final_pending:
+                await self._final_round(state)
+            return
+        if state.skip:
+            state.release_payloads()
+            await self._sequencer.turn(state.step, "settle")
+            await self._sequencer.advance(state.step, "settle")
             return
         if state.error is None and state.remote is None and state.routes is not None:
             loop = asyncio.get_running_loop()
@@ -483,20 +640,23 @@ class Pipeline:
                 )
             except Exception as exc:
                 state.fail(getattr(exc, "_evenflow_stage", "pack"), exc)
+        if state.window_samples is not None and state.routes is not None:
+            _drop_local(state.window_samples, state.routes.bins, self._rank)
         state.release_payloads()
         await self._sequencer.turn(state.step, "settle")
+        self._settled.append(state)
         await self._sequencer.advance(state.step, "settle")
 
     def _pack_sync(self, state: StepState) -> tuple[Any, Any]:
         routes = state.routes
-        assert routes is not None and state.samples is not None
-        local, received, rank = state.samples, state.received, self._rank
+        assert routes is not None
+        local, received, rank = state.local_samples(), state.received, self._rank
         packed = []
         for keys in routes.bins:
             samples = []
             for key in keys:
                 if key[0] == rank:
-                    samples.append(local[key[2]])
+                    samples.append(local[key[1]][key[2]])
                 else:
                     try:
                         samples.append(received[key])
@@ -517,6 +677,17 @@ class Pipeline:
             exc._evenflow_stage = "h2d"  # type: ignore[attr-defined]
             raise
         return batch, staged
+
+
+def _drop_local(
+    samples: dict[int, list[Any]], groups: Iterable[list[tuple[int, int, int]]], rank: int
+) -> None:
+    """Forget this rank's samples among the key lists ``groups``: their training step has
+    sent or packed them, so the window no longer holds them."""
+    for keys in groups:
+        for key in keys:
+            if key[0] == rank:
+                samples[key[1]][key[2]] = None
 
 
 class _Aborted(Exception):

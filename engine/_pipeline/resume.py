@@ -1,9 +1,18 @@
 """Checking and applying a saved loader position (``BalancedLoader.load_state_dict``).
 
-A state describes the *consumed* position only: the epoch, the number of steps delivered, and
-the source's own ``state_dict()`` as it was right after the last delivered step was read. The
-pipeline captures that source state per step, as the step is read, and carries it with the step,
-so prefetched (speculative) steps never leak into a checkpoint.
+A state describes the *consumed* position only: the epoch, the number of steps delivered
+(``step``), and the source's own ``state_dict()`` at ``window_first``, the first step of the
+balance window that holds step ``step`` (``step - step % balance_window``): with
+``balance_window`` 1 that is the state right after the last delivered step was read. The
+pipeline captures the source state per step, as the step is read, and carries it with the
+step, so prefetched (speculative) steps never leak into a checkpoint.
+
+A restore in the middle of a window reads the window again from ``window_first`` (its samples
+may train in any of its steps, so all of them are needed), plans it again — identically, since
+a plan is a pure function of the gathered steps — and skips the steps before ``step``: they
+are neither exchanged nor delivered again. ``window_first`` is written for readers of the
+state; it is implied by ``step`` and the configuration (whose fingerprint the state carries),
+and a state without it (written before balance windows existed) means ``step``.
 
 Restoring a stateful source calls its ``load_state_dict``; a source without state is rewound by
 re-reading and discarding the consumed steps (slower, but exact for deterministic sources).
@@ -16,13 +25,18 @@ from typing import Any
 
 from evenflow.engine.errors import ResumeError
 
-__all__ = ["STATE_FORMAT", "STATE_VERSION", "restore_source", "validate_state"]
+__all__ = ["STATE_FORMAT", "STATE_VERSION", "restore_source", "validate_state", "window_first"]
 
 #: What ``BalancedLoader.state_dict()`` writes, and all that :func:`validate_state` accepts.
 STATE_FORMAT = "evenflow.loader"
 STATE_VERSION = 1
 
 _REQUIRED = ("format", "version", "epoch", "step", "source", "rank", "group", "fingerprint")
+
+
+def window_first(step: int, window: int) -> int:
+    """The first step of the balance window of ``window`` steps that holds step ``step``."""
+    return step - step % window
 
 
 def validate_state(state: Any, loader: Any) -> None:
@@ -68,7 +82,14 @@ def validate_state(state: Any, loader: Any) -> None:
     limit = loader.config.max_steps
     if limit is not None and state["step"] > limit:
         raise ResumeError(f"The state is at step {state['step']}, beyond max_steps={limit}.")
-    if state["step"] and state["source"] is None and state.get("source_stateful"):
+    first = window_first(state["step"], loader.config.balance_window)
+    if state.get("window_first", first) != first:
+        raise ResumeError(
+            f"state['window_first'] is {state['window_first']!r}, but step {state['step']} "
+            f"lies in the balance window that starts at step {first} "
+            f"(balance_window={loader.config.balance_window}); the state was altered."
+        )
+    if first and state["source"] is None and state.get("source_stateful"):
         raise ResumeError("The state has no source state although its source was stateful.")
 
 
@@ -86,17 +107,17 @@ def _describe_difference(saved: Any, current: dict[str, Any], path: str = "") ->
 
 
 def restore_source(source: Any, state: dict[str, Any]) -> Iterator[Any] | None:
-    """Put ``source`` at the position right after the last consumed step.
+    """Put ``source`` at ``state``'s ``window_first`` (see the module docstring).
 
     Returns ``None`` when the source restored itself (the pipeline then calls ``iter(source)``
-    as usual), or the iterator that was fast-forwarded past the consumed steps.
+    as usual), or the iterator that was fast-forwarded past the steps before it.
     """
-    steps = int(state["step"])
-    if steps == 0:
-        return None
+    steps = int(state.get("window_first", state["step"]))
     load = getattr(source, "load_state_dict", None)
     if state["source"] is not None and callable(load):
         load(state["source"])
+        return None
+    if steps == 0:
         return None
     if not hasattr(source, "__iter__"):
         raise ResumeError(

@@ -68,7 +68,8 @@ class StepState:
     samples: list[Any] | None = None  # this rank's samples, bin after bin, as read
     sizes: list[int] | None = None  # samples per bin of ``samples``
     metas: list[SampleMetadata] | None = None
-    source_state: Any = None
+    source_state: Any = None  # the source's state right after this step was read
+    resume_source: Any = None  # the source state a checkpoint taken after this step records
     steps_left: int | None = None  # source steps after this one, where the source has a len()
     error: BaseException | None = None
     error_stage: str = ""
@@ -83,6 +84,21 @@ class StepState:
     host_batch: Any = None
     staged: Any = None
     confirmed: asyncio.Future[None] | None = None
+    # Balance windows: the samples this rank read in every step of the window, by step (one
+    # dict shared by the window's steps; a sample's entry is dropped once the step that trains
+    # it has sent or packed it), whether this step was delivered before a restore (planned,
+    # never exchanged or delivered again), and whether the round that ended the pass fell in
+    # the middle of a window (a final round then confirms the window's steps).
+    window_samples: dict[int, list[Any]] | None = None
+    skip: bool = False
+    final_pending: bool = False
+
+    def local_samples(self) -> dict[int, list[Any]]:
+        """This rank's samples a plan of this step may name, by the step that read them."""
+        if self.window_samples is not None:
+            return self.window_samples
+        assert self.samples is not None
+        return {self.step: self.samples}
 
     def fail(self, stage: str, exc: BaseException) -> None:
         if self.error is None:
@@ -90,6 +106,7 @@ class StepState:
 
     def release_payloads(self) -> None:
         self.samples = None
+        self.window_samples = None
         self.messages = None
         self.received = {}
 

@@ -1,0 +1,291 @@
+"""Balance windows (``LoaderConfig.balance_window``) in the pipeline: conservation within the
+window, the same answers as per-step planning at ``W = 1``, fail-together and ends in the
+middle of a window, ``max_steps``/``set_epoch``, and bitwise resume at every position of a
+window in fresh Gloo processes."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+from testkit.loaders import IdSource, id_pack, make_loaders, run_in_threads
+from testkit.windows import (
+    STEPS,
+    StatefulWindowSource,
+    ids_pack,
+    record_rank,
+    resume_rank,
+    rotating_plan_window,
+    step_bins,
+)
+
+from evenflow.engine import BalancedLoader, LoaderConfig
+from evenflow.engine._pipeline import plan_stage
+from evenflow.engine._pipeline.step import peer_columns
+from evenflow.engine.errors import ConfigError, RemoteStageError
+from evenflow.transports import InProcessGroup
+
+WINDOW = 3
+
+
+@pytest.fixture
+def rotating(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(plan_stage, "plan_window", rotating_plan_window)
+
+
+def _loaders(n: int, window: int, *, steps: int = STEPS, **cfg: Any) -> list[BalancedLoader]:
+    return make_loaders(
+        n,
+        [StatefulWindowSource(r, steps) for r in range(n)],
+        pack_fn=ids_pack,
+        balance_window=window,
+        **cfg,
+    )
+
+
+async def _run(loaders: list[BalancedLoader]) -> list[dict[str, Any]]:
+    """Every rank's pass: batches, statistics, states and the pass summary."""
+
+    async def one(loader: BalancedLoader) -> dict[str, Any]:
+        out: dict[str, Any] = {"batches": [], "stats": [], "states": []}
+        async with loader:
+            async for batch in loader:
+                out["batches"].append(batch)
+                out["stats"].append(loader.last_stats)
+                out["states"].append(loader.state_dict())
+            out["pass"] = loader.last_pass
+        return out
+
+    async with asyncio.timeout(60):
+        return list(await asyncio.gather(*(one(ld) for ld in loaders)))
+
+
+def _trained(runs: list[dict[str, Any]]) -> dict[tuple[int, int, int], int]:
+    """Every delivered sample id -> the step it trained in; fails on a sample seen twice."""
+    seen: dict[tuple[int, int, int], int] = {}
+    for run in runs:
+        for step, batch in enumerate(run["batches"]):
+            for b in batch:
+                for sample in b:
+                    key = (sample[0], sample[1], sample[2])
+                    assert key not in seen, f"sample {key} delivered twice"
+                    seen[key] = step
+    return seen
+
+
+def _read(n: int, steps: int) -> set[tuple[int, int, int]]:
+    return {
+        (r, s, i)
+        for r in range(n)
+        for s in range(steps)
+        for i in range(sum(map(len, step_bins(r, s))))
+    }
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_balance_window_is_validated_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"LoaderConfig\.balance_window"):
+        LoaderConfig(seq_len=8, bins_per_rank=1, balance_window=0)
+    assert LoaderConfig(seq_len=8, bins_per_rank=1).balance_window == 1
+
+
+# -- conservation ---------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("rotating")
+@pytest.mark.parametrize(("window", "steps"), [(WINDOW, STEPS), (4, 8), (2, 5)])
+async def test_every_sample_trains_once_within_its_window(window: int, steps: int) -> None:
+    runs = await _run(_loaders(2, window, steps=steps))
+    assert [len(r["batches"]) for r in runs] == [steps, steps]
+    trained = _trained(runs)
+    assert set(trained) == _read(2, steps)
+    delays = [t - s for (_, s, _), t in trained.items()]
+    for (_, read, _), step in trained.items():
+        assert read // window == step // window, "a sample left its window"
+    assert max(abs(d) for d in delays) < window
+    assert any(d != 0 for d in delays), "the rotating planner moves samples across steps"
+    assert all(r["pass"].end_reason == "exhausted" for r in runs)
+
+
+@pytest.mark.asyncio
+async def test_the_window_planner_is_never_worse_than_the_per_step_sources() -> None:
+    runs = await _run(_loaders(2, 4, steps=8))
+    assert set(_trained(runs)) == _read(2, 8)
+    stats = runs[0]["stats"]
+    before = sum(max(s.cost_before) for s in stats)
+    after = sum(max(s.cost_after) for s in stats)
+    assert after <= before
+    assert [s.digest for s in stats] == [s.digest for s in runs[1]["stats"]]
+
+
+# -- W = 1 is per-step planning ----------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_window_of_one_plans_each_step_as_the_planner_does() -> None:
+    """The delivered plans are the planner's own plans of each gathered step (digests), and
+    a window of one delivers bitwise what the default configuration delivers."""
+    default = await _run(_loaders(2, 1))
+    explicit = await _run(
+        make_loaders(2, [StatefulWindowSource(r) for r in range(2)], pack_fn=ids_pack)
+    )
+    assert [r["batches"] for r in default] == [r["batches"] for r in explicit]
+    assert [s.digest for s in default[0]["stats"]] == [s.digest for s in explicit[0]["stats"]]
+    loader = _loaders(2, 1)[0]
+    planner = loader._planner
+    for step, stats in enumerate(default[0]["stats"]):
+        messages = [
+            {
+                "sizes": np.array([len(b) for b in step_bins(r, step)]),
+                "tokens": np.array([len(s["input_ids"]) for b in step_bins(r, step) for s in b]),
+            }
+            for r in range(2)
+        ]
+        assert planner.plan_arrays(peer_columns(messages, ()), step).digest == stats.digest
+    assert [s["window_first"] for s in default[0]["states"]] == list(range(1, STEPS + 1))
+
+
+# -- ends and failures in the middle of a window ------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("rotating")
+async def test_max_steps_inside_a_window_ends_the_window_there() -> None:
+    runs = await _run(_loaders(2, 4, max_steps=6))
+    assert [len(r["batches"]) for r in runs] == [6, 6]
+    assert set(_trained(runs)) == _read(2, 6)  # nothing read beyond the limit is lost
+    assert all(r["pass"].end_reason == "limit" for r in runs)
+
+
+def _sizes(rank: int, step: int, epoch: int) -> list[list[int]]:
+    return [[3 + rank, 2 + step % 3], [5, 1 + rank]]
+
+
+@pytest.mark.usefixtures("rotating")
+def test_a_source_error_in_the_middle_of_a_window_stops_every_rank_at_that_step() -> None:
+    sources = [IdSource(r, _sizes, num_steps=8, fail_at=4 if r == 1 else None) for r in (0, 1)]
+    loaders = make_loaders(2, sources, pack_fn=id_pack, balance_window=WINDOW)
+
+    def body(rank: int, loader: BalancedLoader) -> list[Any]:
+        return [batch for batch in loader]
+
+    delivered: list[list[int]] = [[], []]
+
+    def counted(rank: int, loader: BalancedLoader) -> None:
+        for _ in loader:
+            delivered[rank].append(loader.step)
+
+    _, errors, hung = run_in_threads(loaders, counted)
+    assert not any(hung)
+    assert delivered == [[1, 2, 3, 4], [1, 2, 3, 4]]  # steps 0-3; step 4 raises everywhere
+    assert isinstance(errors[1], ValueError)
+    assert isinstance(errors[0], RemoteStageError)
+    assert errors[0].failed_rank == 1 and errors[0].step == 4
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("rotating")
+async def test_an_uneven_end_in_the_middle_of_a_window_stops_every_rank_there() -> None:
+    group = InProcessGroup(2, timeout=20.0)
+    config = LoaderConfig(seq_len=64, bins_per_rank=2, balance_window=4, log_stats=False)
+    loaders = [
+        BalancedLoader(
+            StatefulWindowSource(r, steps=6 if r == 0 else 8),
+            config=config,
+            transport=group.transport(r),
+            pack_fn=ids_pack,
+            cost_model="quadratic",
+        )
+        for r in range(2)
+    ]
+    runs = await _run(loaders)
+    assert [len(r["batches"]) for r in runs] == [6, 6]
+    assert set(_trained(runs)) == _read(2, 6)
+    for run in runs:
+        summary = run["pass"]
+        assert summary.end_reason == "uneven" and summary.uneven.step == 6
+        assert summary.num_dropped_samples == sum(map(len, step_bins(1, 6)))
+
+
+@pytest.mark.usefixtures("rotating")
+def test_a_pack_error_in_a_window_raises_on_every_rank_at_that_step() -> None:
+    def pack(rank: int) -> dict[str, Any]:
+        def fn(samples: list[Any], seq_len: int) -> Any:
+            if rank == 0 and any(s["id"][1] == 5 for s in samples):
+                raise RuntimeError("pack broke")
+            return ids_pack(samples, seq_len)
+
+        return {"pack_fn": fn}
+
+    loaders = make_loaders(
+        2, [StatefulWindowSource(r) for r in range(2)], per_rank=pack, balance_window=WINDOW
+    )
+    delivered: list[list[int]] = [[], []]
+
+    def counted(rank: int, loader: BalancedLoader) -> None:
+        for _ in loader:
+            delivered[rank].append(loader.step)
+
+    _, errors, hung = run_in_threads(loaders, counted)
+    assert not any(hung)
+    # Sample (r, 5, i) trains in step 3 + (5 - 3 + 1) % 3 = 3 under the rotating planner.
+    assert delivered[0] == delivered[1] == [1, 2, 3]
+    assert isinstance(errors[0], RuntimeError)
+    assert isinstance(errors[1], RemoteStageError) and errors[1].step == 3
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("rotating")
+async def test_set_epoch_in_the_middle_of_a_window_restarts_cleanly() -> None:
+    loaders = _loaders(2, 4)
+
+    async def one(loader: BalancedLoader) -> tuple[list[Any], list[Any], Any]:
+        async with loader:
+            first = []
+            async for batch in loader:
+                first.append(batch)
+                if loader.step == 2:
+                    break
+            await loader.aset_epoch(1)
+            summary = loader.last_pass
+            second = [batch async for batch in loader]
+        return first, second, summary
+
+    async with asyncio.timeout(60):
+        out = await asyncio.gather(*(one(ld) for ld in loaders))
+    for first, second, summary in out:
+        assert len(first) == 2 and len(second) == STEPS
+        assert summary.end_reason == "restart" and summary.steps == 2
+        assert summary.num_discarded_samples > 0
+    ids = [tuple(s) for _, second, _ in out for batch in second for b in batch for s in b]
+    assert len(ids) == len(set(ids)) == len(_read(2, STEPS))
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_resume_at_every_position_of_a_window_is_bitwise_in_fresh_processes() -> None:
+    from evenflow.transports.launch import run_ranks
+
+    recorded = run_ranks(record_rank, 2, args=(WINDOW,), timeout=10.0, deadline=120.0)
+    for kind in ("stateful", "stateless"):
+        runs = [r[kind] for r in recorded]
+        assert all(len(r["batches"]) == STEPS for r in runs)
+    # Every position: after 1 .. STEPS - 1 delivered steps, inside and at the end of windows.
+    states = {
+        kind: [r[kind]["states"][: STEPS - 1] for r in recorded]
+        for kind in ("stateful", "stateless")
+    }
+    assert {s["window_first"] for s in states["stateful"][0]} == {0, 3, 6}
+    tails = run_ranks(resume_rank, 2, args=(WINDOW, states), timeout=10.0, deadline=120.0)
+    for kind in ("stateful", "stateless"):
+        for rank in range(2):
+            want = recorded[rank][kind]["batches"]
+            for cut, tail in enumerate(tails[rank][kind], start=1):
+                assert tail == want[cut:], (kind, rank, cut)
