@@ -6,6 +6,7 @@ window in fresh Gloo processes."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -98,9 +99,14 @@ def test_balance_window_is_validated_naming_the_field() -> None:
 
 @pytest.mark.asyncio
 @pytest.mark.usefixtures("rotating")
-@pytest.mark.parametrize(("window", "steps"), [(WINDOW, STEPS), (4, 8), (2, 5)])
-async def test_every_sample_trains_once_within_its_window(window: int, steps: int) -> None:
-    runs = await _run(_loaders(2, window, steps=steps))
+@pytest.mark.parametrize(
+    ("window", "steps", "planning"),
+    [(WINDOW, STEPS, "replicated"), (4, 8, "leader"), (2, 5, "replicated")],
+)
+async def test_every_sample_trains_once_within_its_window(
+    window: int, steps: int, planning: str
+) -> None:
+    runs = await _run(_loaders(2, window, steps=steps, planning=planning))
     assert [len(r["batches"]) for r in runs] == [steps, steps]
     trained = _trained(runs)
     assert set(trained) == _read(2, steps)
@@ -289,3 +295,47 @@ def test_resume_at_every_position_of_a_window_is_bitwise_in_fresh_processes() ->
             want = recorded[rank][kind]["batches"]
             for cut, tail in enumerate(tails[rank][kind], start=1):
                 assert tail == want[cut:], (kind, rank, cut)
+
+
+# -- memory bound -------------------------------------------------------------------------------
+
+
+class _Watched(StatefulWindowSource):
+    """Records, at every read, how many steps are read and not yet delivered."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(rank, steps=12)
+        self.delivered = 0
+        self.ahead: list[int] = []
+
+    def __iter__(self) -> Iterator[list[list[dict[str, Any]]]]:
+        for bins in super().__iter__():
+            self.ahead.append(self.position - self.delivered)
+            yield bins
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(("window", "depth"), [(4, 1), (3, 2)])
+async def test_at_most_window_plus_prefetch_depth_steps_are_read_ahead(
+    window: int, depth: int
+) -> None:
+    sources = [_Watched(r) for r in range(2)]
+    loaders = make_loaders(
+        2, sources, pack_fn=ids_pack, balance_window=window, prefetch_depth=depth
+    )
+
+    async def one(loader: BalancedLoader, source: _Watched) -> int:
+        n = 0
+        async with loader:
+            async for _ in loader:
+                source.delivered = loader.step
+                n += 1
+                await asyncio.sleep(0.005)  # a slow caller: the pipeline runs ahead
+        return n
+
+    async with asyncio.timeout(60):
+        counts = await asyncio.gather(*(one(ld, s) for ld, s in zip(loaders, sources)))
+    assert counts == [12, 12]
+    for source in sources:
+        # Step 0 needs the next window's first round: W + 1 steps read before it is delivered.
+        assert window + 1 <= max(source.ahead) <= window + depth
