@@ -334,7 +334,7 @@ async def test_at_most_window_plus_prefetch_depth_steps_are_read_ahead(
         return n
 
     async with asyncio.timeout(60):
-        counts = await asyncio.gather(*(one(ld, s) for ld, s in zip(loaders, sources)))
+        counts = await asyncio.gather(*(one(ld, s) for ld, s in zip(loaders, sources, strict=True)))
     assert counts == [12, 12]
     for source in sources:
         # Step 0 needs the next window's first round: W + 1 steps read before it is delivered.
