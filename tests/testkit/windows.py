@@ -10,6 +10,7 @@ test double that forces cross-step payload routing, whatever the real window pla
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,13 +18,13 @@ import numpy as np
 
 from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.engine._planning.columns import StepColumns
-from evenflow.engine._planning.window import WindowPlan
 
 SEQ_LEN = 64
 STEPS = 8
 
 
-def rotating_plan_window(planner: Any, columns: Sequence[StepColumns], first: int) -> WindowPlan:
+def rotating_plan_window(planner: Any, columns: Sequence[StepColumns], first: int) -> Any:
+    """The window's plans (``.plans``, all the pipeline reads of a window plan)."""
     n = len(columns)
     plans = []
     for i in range(n):
@@ -31,7 +32,7 @@ def rotating_plan_window(planner: Any, columns: Sequence[StepColumns], first: in
         c = columns[read]
         moved = dataclasses.replace(c, key_step=np.full(c.num_samples, first + read))
         plans.append(planner.plan_arrays(moved, first + i))
-    return WindowPlan(plans=tuple(plans))
+    return types.SimpleNamespace(plans=tuple(plans))
 
 
 def use_rotating_planner() -> None:
