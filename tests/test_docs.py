@@ -171,7 +171,7 @@ def test_errors_reference_lists_every_error() -> None:
 
 
 def test_tracing_reference_lists_every_stage_and_key() -> None:
-    from evenflow.engine import BalancedLoader, LoaderConfig, Tracer
+    from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig, Tracer
 
     tracer = Tracer()
     config = LoaderConfig(seq_len=8, bins_per_rank=2, log_stats=False)
@@ -179,11 +179,19 @@ def test_tracing_reference_lists_every_stage_and_key() -> None:
         for _ in loader:
             pass
     summary = loader.trace_summary()
+    # Shared-dataset mode replaces the exchange stage by the read of assigned samples.
+    shared_tracer = Tracer()
+    source = DatasetSource(
+        [[1] * n for n in (3, 5, 2, 4, 6)], seq_len=8, bins_per_rank=2, shared=True
+    )
+    with BalancedLoader(source, config=config, tracer=shared_tracer) as loader:
+        for _ in loader:
+            pass
     text = _text("reference/tracing.md")
     stages = set(
         re.findall(r"^\| `(\w+)` \|", text.split("## Stages")[1].split("##")[0], re.MULTILINE)
     )
-    assert stages == set(summary["stages"])
+    assert stages == set(summary["stages"]) | set(loader.trace_summary()["stages"])
     keys = set(summary) | set(summary["caller"]) | set(next(iter(summary["stages"].values())))
     section = text.split("## Summary keys")[1]
     missing = sorted(key for key in keys if not re.search(rf"\b{key}\b", section))

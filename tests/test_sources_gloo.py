@@ -1,5 +1,6 @@
 """Step sources on four real Gloo processes: conservation across the world, and bitwise resume
-in fresh processes at several steps, prefetch depths and across ``set_epoch``."""
+in fresh processes at several steps, prefetch depths and across ``set_epoch`` — for a
+``DatasetSource`` in payload mode and in shared-dataset mode, and an ``IterableSource``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ SEQ_LEN = 64
 RANKS = 4
 #: (epoch, steps delivered before the save, prefetch depth of the restored loader)
 CUTS = ((0, 1, 1), (0, 3, 3), (1, 2, 2))
-KINDS = ("dataset", "iterable")
+KINDS = ("dataset", "shared", "iterable")
 
 
 def _dataset() -> Any:
@@ -36,9 +37,15 @@ def _ids(samples: list[dict[str, Any]], seq_len: int) -> list[int]:
 
 def _source(kind: str, rank: int, num_ranks: int) -> Any:
     data = _dataset()
-    if kind == "dataset":
+    if kind in ("dataset", "shared"):
         return DatasetSource(
-            data, seq_len=SEQ_LEN, bins_per_rank=2, rank=rank, num_ranks=num_ranks, seed=7
+            data,
+            seq_len=SEQ_LEN,
+            bins_per_rank=2,
+            rank=rank,
+            num_ranks=num_ranks,
+            seed=7,
+            shared=kind == "shared",
         )
     # Each rank streams its own shard, reshuffled per epoch: an IterableSource over a factory.
     shard = data.shard(num_shards=num_ranks, index=rank)
@@ -106,6 +113,8 @@ def test_four_gloo_ranks_conserve_samples_and_resume_bitwise_in_fresh_processes(
         for kind in KINDS
     }
     tails = run_ranks(_resume_rank, RANKS, args=(states,), timeout=10.0, deadline=180.0)
+    # Shared mode reads its planned samples itself: bitwise the batches of payload mode.
+    assert [r["shared"] for r in recorded] == [r["dataset"] for r in recorded]
     for kind in KINDS:
         for rank in range(RANKS):
             for (epoch, cut, _), tail in zip(CUTS, tails[rank][kind], strict=True):
@@ -122,7 +131,7 @@ def _check_epochs(kind: str, recorded: list[dict[str, Any]]) -> None:
         got = [i for r in runs for batch in r["batches"] for b in batch for i in b]
         assert len(got) == len(set(got)), f"{kind} epoch {epoch}: a sample delivered twice"
         assert set(got) <= set(range(N))
-        if kind == "dataset":
+        if kind in ("dataset", "shared"):
             # What was not delivered is what the source reports it leaves unread, and every
             # rank computes the same number of steps.
             source = _source(kind, 0, RANKS)

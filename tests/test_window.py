@@ -346,3 +346,55 @@ async def test_at_most_window_plus_prefetch_depth_steps_are_read_ahead(
     for source in sources:
         # Step 0 needs the next window's first round: W + 1 steps read before it is delivered.
         assert window + 1 <= max(source.ahead) <= window + depth
+
+
+# -- shared-dataset mode --------------------------------------------------------------------------
+
+
+def _shared_loaders(shared: bool, depth: int = 2) -> list[BalancedLoader]:
+    datasets = pytest.importorskip("datasets")
+    from evenflow.engine import DatasetSource
+
+    lengths = np.random.default_rng(3).integers(1, 48, size=90)
+    data = datasets.Dataset.from_dict(
+        {"id": list(range(90)), "input_ids": [[i % 251] * int(k) for i, k in enumerate(lengths)]}
+    )
+    group = InProcessGroup(2, timeout=20.0)
+    config = LoaderConfig(
+        seq_len=64, bins_per_rank=2, balance_window=WINDOW, prefetch_depth=depth, log_stats=False
+    )
+    loaders = []
+    for r in range(2):
+        source = DatasetSource(
+            data, seq_len=64, bins_per_rank=2, rank=r, num_ranks=2, seed=4, shared=shared
+        )
+        loaders.append(
+            BalancedLoader(
+                source,
+                config=config,
+                transport=group.transport(r),
+                metadata_fn=source.metadata_fn,
+                pack_fn=lambda samples, _: [int(s["id"]) for s in samples],
+                cost_model="quadratic",
+            )
+        )
+    return loaders
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("rotating")
+async def test_shared_dataset_mode_delivers_the_payload_modes_windows_and_resumes() -> None:
+    payload = await _run(_shared_loaders(shared=False))
+    shared = await _run(_shared_loaders(shared=True))
+    steps = len(payload[0]["batches"])
+    assert steps > WINDOW + 1 and steps % WINDOW != 0  # the pass ends inside a window
+    assert [r["batches"] for r in shared] == [r["batches"] for r in payload]
+    ids = [i for r in shared for batch in r["batches"] for b in batch for i in b]
+    assert len(ids) == len(set(ids))
+    # Resume inside the second window, bitwise.
+    cut = WINDOW + 1
+    restored = _shared_loaders(shared=True, depth=1)
+    for loader, run in zip(restored, shared, strict=True):
+        loader.load_state_dict(run["states"][cut - 1])
+    tails = await _run(restored)
+    assert [t["batches"] for t in tails] == [r["batches"][cut:] for r in shared]

@@ -30,6 +30,7 @@ from evenflow.engine._distributed.topology import (
 )
 from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._pipeline.loop_thread import run_coroutine
+from evenflow.engine._pipeline.read_assigned import dataset_mismatch, shared_identity
 from evenflow.engine._validate import check_choice, check_number
 from evenflow.engine.errors import ConfigError, GroupMismatchError
 from evenflow.transports import Transport
@@ -162,9 +163,15 @@ def build_loader(
             identity = _agreed_identity(loader.identity(), transport, topology)
         except Exception as exc:
             error = exc
-        records = _gather(startup, rank, {"error": _describe_error(error), "agree": identity})
+        dataset = shared_identity(source) if topology.is_constructor else None
+        records = _gather(
+            startup,
+            rank,
+            {"error": _describe_error(error), "agree": identity, "dataset": dataset},
+        )
         _raise_on_error(records, error)
         _raise_on_mismatch(records)
+        _raise_on_dataset_mismatch(records, topology)
         assert loader is not None
         return loader
     except BaseException:
@@ -374,6 +381,16 @@ def _raise_on_error(records: list[dict[str, Any]], local: BaseException | None) 
     if local is None and info.traceback:  # a failing rank has its own error as the cause
         error.add_note(traceback_note(f"rank {first}", info.traceback))
     raise error from local
+
+
+def _raise_on_dataset_mismatch(records: list[dict[str, Any]], topology: Topology) -> None:
+    """Shared-dataset mode: every rank of a balance group must see the same dataset."""
+    for group in topology.balance_groups:
+        error = dataset_mismatch(
+            [records[r].get("dataset") for r in group], group, where="build_loader"
+        )
+        if error is not None:
+            raise error
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:

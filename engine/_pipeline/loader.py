@@ -23,6 +23,7 @@ from evenflow.engine._pipeline.parts import (
 )
 from evenflow.engine._pipeline.pass_report import PassSummary
 from evenflow.engine._pipeline.pipeline import Pipeline
+from evenflow.engine._pipeline.read_assigned import AssignedReader, shared_identity, shared_source
 from evenflow.engine._pipeline.resume import (
     STATE_FORMAT,
     STATE_VERSION,
@@ -94,6 +95,11 @@ class BalancedLoader(LoaderFacade):
             move_fn=move_fn,
             stats_callback=stats_callback,
         )
+        own_metadata_fn = getattr(source, "metadata_fn", None)
+        if metadata_fn is None and callable(own_metadata_fn):
+            # A step source (DatasetSource, IterableSource) knows its samples' token counts;
+            # in shared-dataset mode its items are indices that only it can describe.
+            metadata_fn = own_metadata_fn
         self._source = guard_one_shot(source)
         self._config = config
         self._transport, self._owns_transport = _resolve_transport(transport, config)
@@ -128,6 +134,17 @@ class BalancedLoader(LoaderFacade):
         self._source_executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="evenflow-source"
         )
+        # Shared-dataset mode: the bounded pool that reads each step's assigned samples.
+        self._assigned: AssignedReader | None = None
+        self._read_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        shared = shared_source(source)
+        if shared is not None:
+            threads = int(getattr(shared, "read_threads", 1))
+            self._read_executor = concurrent.futures.ThreadPoolExecutor(
+                threads, thread_name_prefix="evenflow-read"
+            )
+            self._assigned = AssignedReader(shared, self._read_executor, threads=threads)
+        self._dataset = shared_identity(source)
         self._pipeline: Pipeline | None = None
         self._pass_finished = False
         self._epoch = 0
@@ -381,6 +398,8 @@ class BalancedLoader(LoaderFacade):
             initial_iter=initial_iter,
             read_from=self._read_from,
             initial_source_state=self._source_state,
+            assigned=self._assigned,
+            dataset=self._dataset,
         )
         if self._launcher is not None:
             self._launcher.on_final = lambda op: (
@@ -458,6 +477,8 @@ class BalancedLoader(LoaderFacade):
         # Joins the source thread: a source blocked inside next() delays close() until it
         # returns (a thread cannot be interrupted).
         self._source_executor.shutdown(wait=True, cancel_futures=True)
+        if self._read_executor is not None:
+            self._read_executor.shutdown(wait=True, cancel_futures=True)
 
     def _deliver(self, state: StepState) -> Any:
         batch = self._stager.deliver(state.staged)

@@ -8,6 +8,10 @@
                            or leader) samples     H2D staging)
                                       move)
 
+In shared-dataset mode (:mod:`~evenflow.engine._pipeline.read_assigned`) the exchange stage is
+replaced by *read_assigned*: no collective, each rank reads its planned samples by dataset
+index on the read pool.
+
 Each stage is one coroutine driven by :meth:`Pipeline._stage`; it receives a
 :class:`StepState`, does its work inside a trace span, and forwards the state. A failure inside a
 stage is recorded on the step (``state.fail``) and the step keeps flowing, so the collectives of
@@ -45,11 +49,13 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import anyio
+import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
 from evenflow.engine._pipeline.plan_stage import PlanStage
+from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
 from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
 from evenflow.engine._pipeline.source import SourceReader
 from evenflow.engine._pipeline.step import (
@@ -103,6 +109,8 @@ class Pipeline:
         initial_iter: Iterator[Any] | None = None,
         read_from: int | None = None,
         initial_source_state: Any = None,
+        assigned: AssignedReader | None = None,
+        dataset: dict[str, Any] | None = None,
     ) -> None:
         self._reader = SourceReader(
             source=source,
@@ -114,6 +122,10 @@ class Pipeline:
         )
         self._config = config
         self._transport = transport
+        # Shared-dataset mode: the reader of assigned samples, and the dataset identity the
+        # first metadata round compares (None in payload mode on every rank).
+        self._assigned = assigned
+        self._dataset = dataset
         self._planner = planner
         self._pack_fn = pack_fn
         self._collate_fn = collate_fn
@@ -186,7 +198,12 @@ class Pipeline:
                     tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
                 else:
                     tg.create_task(self._window_stage(gath_r, plan_s))
-                tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                if self._assigned is None:
+                    tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
+                else:
+                    tg.create_task(
+                        self._stage("read_assigned", plan_r, exch_s, self._read_assigned)
+                    )
                 tg.create_task(self._stage("pack", exch_r, self._out_send, self._pack))
         except BaseException as exc:  # a stage crashed, the group failed, or close() cancelled
             self._gather_done = True
@@ -425,7 +442,17 @@ class Pipeline:
         messages = await self._round(state)
         if messages is None:
             return
-        self._judge_round(state, messages)
+        mismatch = None
+        if state.step == self._read_from:
+            mismatch = dataset_mismatch(
+                [m.get("dataset") for m in messages],
+                self._global_ranks,
+                where=f"Step {state.step}",
+            )
+        if mismatch is not None:
+            state.remote, state.terminal = mismatch, True
+        else:
+            self._judge_round(state, messages)
         sequencer = self._sequencer
         if (
             state.terminal
@@ -461,6 +488,12 @@ class Pipeline:
         else:
             prev = window_reports(self._reporting, self._rank)
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
+        if state.step == self._read_from:
+            msg["dataset"] = self._dataset
+        if self._assigned is not None and state.status == "ok" and state.samples is not None:
+            msg["indices"] = np.fromiter(
+                (s.dataset_index for s in state.samples), dtype=np.int64, count=len(state.samples)
+            )
         try:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
@@ -547,8 +580,10 @@ class Pipeline:
 
     async def _plan_window(self, window: list[StepState]) -> None:
         shared = {s.step: s.samples for s in window if s.samples is not None}
+        messages = {s.step: s.messages for s in window if s.messages is not None}
         for state in window:
             state.window_samples = shared
+            state.window_messages = messages
         await self._plan_stage.run_window(window)
         for state in window:
             if state.step < self.first_step and not state.terminal:
@@ -612,6 +647,31 @@ class Pipeline:
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
 
+    # -- read_assigned (shared-dataset mode) ----------------------------------------------
+
+    async def _read_assigned(self, state: StepState) -> None:
+        """Take the exchange turn without a collective (every rank is in shared mode), then
+        read this rank's planned samples by dataset index (none for a step delivered before
+        a restore)."""
+        if state.terminal:
+            return
+        if state.skip:
+            await self._sequencer.turn(state.step, "exchange")
+            await self._sequencer.advance(state.step, "exchange")
+            return
+        await self._sequencer.turn(state.step, "exchange")
+        self.exchanged_step = state.step
+        self.notify()
+        await self._sequencer.advance(state.step, "exchange")
+        if state.error is not None or state.routes is None or state.messages is None:
+            return
+        assert self._assigned is not None
+        try:
+            messages = state.window_messages or {state.step: state.messages}
+            state.received = await self._assigned.read(state.step, state.routes, messages)
+        except Exception as exc:
+            state.fail("read_assigned", exc)
+
     def _outgoing(self, state: StepState) -> dict[int, list[tuple[Any, Any]]]:
         assert state.routes is not None
         local = state.local_samples()
@@ -655,7 +715,7 @@ class Pipeline:
         for keys in routes.bins:
             samples = []
             for key in keys:
-                if key[0] == rank:
+                if key[0] == rank and self._assigned is None:
                     samples.append(local[key[1]][key[2]])
                 else:
                     try:

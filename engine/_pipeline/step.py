@@ -90,6 +90,7 @@ class StepState:
     # never exchanged or delivered again), and whether the round that ended the pass fell in
     # the middle of a window (a final round then confirms the window's steps).
     window_samples: dict[int, list[Any]] | None = None
+    window_messages: dict[int, list[dict[str, Any]]] | None = None  # the window's rounds
     skip: bool = False
     final_pending: bool = False
 
@@ -107,6 +108,7 @@ class StepState:
     def release_payloads(self) -> None:
         self.samples = None
         self.window_samples = None
+        self.window_messages = None
         self.messages = None
         self.received = {}
 

@@ -69,6 +69,13 @@ class DatasetSource:
 
     ``yield_indices=True`` yields :class:`IndexedSample` ``(index, tokens)`` items instead of
     samples; :meth:`read` fetches samples by index.
+
+    ``shared=True`` declares that every rank of the balance group reads this same dataset
+    (shared storage, or the same Hugging Face dataset on every node): the source yields
+    :class:`IndexedSample` items, the loader plans dataset indices, and each rank reads the
+    samples assigned to it with :meth:`read` on ``read_threads`` threads after planning, so
+    no payload crosses the network. The loader refuses a group whose ranks see different
+    datasets (:meth:`dataset_identity`).
     """
 
     def __init__(
@@ -89,6 +96,8 @@ class DatasetSource:
         oversized: str = "error",
         yield_indices: bool = False,
         features_fn: Callable[[Any], dict[str, Any]] | None = None,
+        shared: bool = False,
+        read_threads: int = 4,
     ) -> None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise TypeError(
@@ -105,9 +114,19 @@ class DatasetSource:
         self._shuffle = check_bool("shuffle", shuffle)
         self._seed = check_int("seed", seed, minimum=0)
         self._oversized = check_oversized(oversized)
-        self._yield_indices = check_bool("yield_indices", yield_indices)
+        self._shared = check_bool("shared", shared)
+        self._read_threads = check_int("read_threads", read_threads, minimum=1)
+        # Shared mode plans indices: the samples are read only once they are assigned.
+        self._yield_indices = check_bool("yield_indices", yield_indices) or self._shared
         if features_fn is not None and not callable(features_fn):
             raise TypeError(f"features_fn must be callable, but got {features_fn!r:.80}.")
+        if features_fn is not None and self._yield_indices:
+            raise ConfigError(
+                "features_fn needs each sample's content, but with shared=True or "
+                "yield_indices=True the source yields dataset indices and reads samples only "
+                "after planning. Store the features in a dataset column and give the planner "
+                "token counts only, or use shared=False."
+            )
         self._dataset = dataset
         self._lengths = read_lengths(
             dataset, lengths=lengths, length_column=length_column, length_fn=length_fn
@@ -151,6 +170,21 @@ class DatasetSource:
     def fingerprint(self) -> str:
         """Digest of :attr:`lengths`: ranks that read the same dataset have the same one."""
         return self._fingerprint
+
+    @property
+    def shared(self) -> bool:
+        """Whether every rank of the balance group reads this dataset (shared-dataset mode)."""
+        return self._shared
+
+    @property
+    def read_threads(self) -> int:
+        """Threads that read a rank's assigned samples in shared-dataset mode."""
+        return self._read_threads
+
+    def dataset_identity(self) -> dict[str, Any]:
+        """What every rank of a shared-dataset group must agree on: the dataset's length and
+        the fingerprint of its length column (plain data)."""
+        return {"num_samples": len(self._lengths), "lengths_fingerprint": self._fingerprint}
 
     @property
     def rank(self) -> int:
