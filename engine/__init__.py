@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from evenflow.engine._distributed.build import build_loader
     from evenflow.engine._distributed.loader import DistributedLoader
     from evenflow.engine._pipeline.loader import BalancedLoader
+    from evenflow.engine._pipeline.loss_tokens import LossTokens
     from evenflow.engine._pipeline.pack import (
         count_loss_tokens,
         default_collate_fn,
@@ -60,6 +61,7 @@ _LAZY: dict[str, str] = {
     "build_loader": "evenflow.engine._distributed.build",
     "DistributedLoader": "evenflow.engine._distributed.loader",
     "StepStats": "evenflow.engine._pipeline.stats",
+    "LossTokens": "evenflow.engine._pipeline.loss_tokens",
     "PassSummary": "evenflow.engine._pipeline.pass_report",
     "RankUnread": "evenflow.engine._pipeline.pass_report",
     "UnevenEnd": "evenflow.engine._pipeline.pass_report",
@@ -90,6 +92,7 @@ __all__ = [
     "IterableSource",
     "LPTAlgorithm",
     "LoaderConfig",
+    "LossTokens",
     "NullTracer",
     "OversizedPolicy",
     "PackedSteps",

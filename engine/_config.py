@@ -40,6 +40,12 @@ class LoaderConfig:
             delivered only after the metadata round of step ``s + 1`` has confirmed that every
             rank finished ``s`` (fail-together), so at most ``prefetch_depth + 1`` undelivered
             steps are held in memory.
+        device_prefetch_depth: how many prepared, undelivered steps may sit on the training
+            device (``None``: as many as are prepared, up to ``prefetch_depth + 1``). The
+            other prepared steps wait on the host, pinned, and are copied as the caller takes
+            earlier ones. At most ``prefetch_depth``; it bounds the device memory the loader's
+            batches take to ``(device_prefetch_depth + 1)`` steps, the one the caller holds
+            included (see the reference for the arithmetic). Only meaningful with a device.
         min_balance_gain: a re-balanced layout is used only when it lowers the objective by
             strictly more than this fraction (``0.0`` = any strict improvement).
         objective: ``"makespan"`` (the slowest rank's cost) or ``"balance"`` (squared
@@ -81,6 +87,7 @@ class LoaderConfig:
     seq_len: int
     bins_per_rank: int
     prefetch_depth: int = 2
+    device_prefetch_depth: int | None = None
     min_balance_gain: float = 0.0
     objective: Literal["makespan", "balance"] = "makespan"
     balance: bool = True
@@ -110,6 +117,18 @@ class LoaderConfig:
         check_int("LoaderConfig.seq_len", self.seq_len, minimum=1)
         check_int("LoaderConfig.bins_per_rank", self.bins_per_rank, minimum=1)
         check_int("LoaderConfig.prefetch_depth", self.prefetch_depth, minimum=1)
+        check_optional_int(
+            "LoaderConfig.device_prefetch_depth", self.device_prefetch_depth, minimum=1
+        )
+        if (
+            self.device_prefetch_depth is not None
+            and self.device_prefetch_depth > self.prefetch_depth
+        ):
+            raise ConfigError(
+                f"LoaderConfig.device_prefetch_depth must be at most prefetch_depth="
+                f"{self.prefetch_depth} (steps on the device are prepared steps), but got "
+                f"{self.device_prefetch_depth!r}; lower it or raise prefetch_depth."
+            )
         gain = check_number(
             "LoaderConfig.min_balance_gain",
             self.min_balance_gain,

@@ -100,14 +100,27 @@ class SampleMetadata:
     ``pack_fn``). ``features``: plain CPU values for cost models and logs (e.g. ``P``/``D``
     for a multimodal prefix/generated split). ``packing_costs``: named additive footprints
     (e.g. vision patches) checked against ``packing_budgets``; they never enter the cost.
+    ``loss_tokens``: how many of the sample's positions are loss targets once packed
+    (``count_loss_tokens(sample)`` for the default pack), between 0 and ``tokens``; ``None``
+    means unknown. The loader sums it into every step's ``LossTokens``; with the default
+    ``pack_fn`` it fills in a missing value itself.
     """
 
     tokens: int
     features: Mapping[str, Any] = field(default_factory=dict, hash=False)
     packing_costs: Mapping[str, float] = field(default_factory=dict, hash=False)
+    loss_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_int("SampleMetadata.tokens", self.tokens, minimum=1)
+        if self.loss_tokens is not None:
+            check_int("SampleMetadata.loss_tokens", self.loss_tokens, minimum=0)
+            if self.loss_tokens > self.tokens:
+                raise ConfigError(
+                    f"SampleMetadata.loss_tokens must be at most tokens={self.tokens} (a sample "
+                    f"cannot train on more positions than it occupies), but got "
+                    f"{self.loss_tokens!r}."
+                )
         if not isinstance(self.features, dict):
             raise ConfigError(f"SampleMetadata.features must be a dict, but got {self.features!r}.")
         _check_feature(self.features, "", set())
@@ -117,16 +130,19 @@ class SampleMetadata:
             )
         check_amounts("SampleMetadata.packing_costs", self.packing_costs)
 
-    def to_wire(self) -> tuple[int, dict[str, Any], dict[str, float]]:
-        """Plain-data form carried in the metadata gather."""
-        return (self.tokens, dict(self.features), dict(self.packing_costs))
+    def to_wire(self) -> tuple[Any, ...]:
+        """Plain-data form: ``(tokens, features, packing_costs)``, plus ``loss_tokens`` when
+        it is known (the three-item form stays what it was)."""
+        base = (self.tokens, dict(self.features), dict(self.packing_costs))
+        return base if self.loss_tokens is None else (*base, self.loss_tokens)
 
     @classmethod
     def from_wire(cls, value: Any) -> SampleMetadata:
         """Rebuild (and re-validate) metadata received from a peer."""
-        if not isinstance(value, (tuple, list)) or len(value) != 3:
+        if not isinstance(value, (tuple, list)) or len(value) not in (3, 4):
             raise ConfigError(f"Malformed SampleMetadata wire value: {value!r:.120}.")
-        return cls(tokens=value[0], features=value[1], packing_costs=value[2])
+        loss = value[3] if len(value) == 4 else None
+        return cls(tokens=value[0], features=value[1], packing_costs=value[2], loss_tokens=loss)
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,9 @@ What it shows:
 * a plain ``for batch in loader`` loop: each step is ``bins_per_rank`` packed sequences
   (microbatches) that DDP trains one after another, synchronising gradients on the last one;
 * the per-step balance statistics (``loader.last_stats``): the slowest rank's predicted cost
-  before and after balancing, and how many samples moved.
+  before and after balancing, and how many samples moved;
+* the loss recipe that keeps balancing out of the optimiser's way: summed token losses over
+  the world's loss tokens (``loader.last_loss_tokens``), times the world size DDP divides by.
 
 Every rank reads its own synthetic steps; rank 0 draws a few long samples at every step, so
 without balancing it would be the straggler. Run it with::
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from evenflow.engine import LoaderConfig, build_loader
+from evenflow.engine import LoaderConfig, LossTokens, build_loader
 
 VOCAB = 64
 BINS_PER_RANK = 2
@@ -66,8 +68,17 @@ class TinyLM(nn.Module):
         return self.head(self.embed(input_ids))  # type: ignore[no-any-return]
 
 
-def train_step(model: DistributedDataParallel, batch: list[dict[str, Any]]) -> float:
-    """Forward and backward over every microbatch; gradients are all-reduced on the last."""
+def train_step(
+    model: DistributedDataParallel, batch: list[dict[str, Any]], tokens: LossTokens
+) -> float:
+    """Forward and backward over every microbatch; gradients are all-reduced on the last.
+
+    Each microbatch's summed token loss is scaled by ``world_size / world loss tokens``: DDP
+    averages gradients over ranks, so the update is the gradient of the mean token loss over
+    the whole world, whatever balancing moved (a per-rank mean would weight tokens by the
+    plan; see docs/howto/loss-normalisation.md). Returns this rank's share of that mean.
+    """
+    scale = tokens.loss_scale(dist.get_world_size())
     total = 0.0
     for i, packed in enumerate(batch):
         last = i == len(batch) - 1
@@ -76,10 +87,12 @@ def train_step(model: DistributedDataParallel, batch: list[dict[str, Any]]) -> f
             logits = model(ids[:-1])
             # Next-token loss: labels are -100 at each sample's first token, so no target
             # crosses a boundary between packed samples.
-            loss = nn.functional.cross_entropy(logits, labels[1:], ignore_index=-100)
-            loss.backward()  # type: ignore[no-untyped-call]
-        total += loss.item()
-    return total / len(batch)
+            summed = nn.functional.cross_entropy(
+                logits, labels[1:], ignore_index=-100, reduction="sum"
+            )
+            (summed * scale).backward()  # type: ignore[no-untyped-call]
+        total += summed.item() / max(tokens.world, 1)
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with build_loader(source, config, cost_model="quadratic") as loader:
             for batch in loader:
-                loss = train_step(model, batch)
+                tokens = loader.last_loss_tokens
+                assert tokens is not None  # the default pack counts every sample's targets
+                share = torch.tensor(train_step(model, batch, tokens))
+                dist.all_reduce(share)  # the mean token loss over the world
+                loss = share.item()
                 optimizer.step()
                 optimizer.zero_grad()
                 stats = loader.last_stats

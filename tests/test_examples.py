@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,7 @@ def test_every_example_is_tested() -> None:
         "tracing_perfetto.py",
         "resume_checkpoint.py",
         "parallel_tokenize.py",
+        "hf_training_loop.py",
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -68,6 +70,60 @@ def test_ddp_sync_torchrun(tmp_path: Path) -> None:
     for _, before, after, moved in lines:
         # Rank 0 reads the long samples: balancing lowers the slowest rank's cost.
         assert float(after) < float(before) and int(moved) > 0, out
+
+
+def _loop_block(text: str, start: str, end: str) -> str:
+    begin = text.index(start) + len(start)
+    return text[begin : text.index(end, begin)]
+
+
+def test_readme_loop_is_the_hf_example_loop() -> None:
+    example = (EXAMPLES / "hf_training_loop.py").read_text()
+    region = textwrap.dedent(
+        _loop_block(example, "# -- the loop (README.md shows this block as it is) --\n", "    # --")
+    )
+    readme = (EXAMPLES.parent / "README.md").read_text()
+    section = _loop_block(readme, "## In your training loop", "\n## ")
+    fenced = _loop_block(section, "```python illustrative\n", "```")
+    assert fenced.endswith(region), "README.md's loop differs from examples/hf_training_loop.py"
+    for must in (
+        "use_cache=False",
+        "num_items_in_batch=tokens.world",
+        'os.environ["RANK"]',
+        "DatasetSource(",
+    ):
+        assert must in region
+
+
+@pytest.mark.multiprocess
+def test_hf_training_loop(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    out = _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLES / "hf_training_loop.py"),
+            "--steps",
+            "3",
+        ],
+        tmp_path,
+    )
+    pattern = (
+        r"step (\d+): loss ([\d.]+) over (\d+) loss tokens \(this rank (\d+)\), "
+        r"max cost (\S+) -> (\S+), moved (\d+)"
+    )
+    lines = re.findall(pattern, out)
+    assert [int(line[0]) for line in lines] == [0, 1, 2], out
+    for _, loss, world, mine, before, after, _moved in lines:
+        # A random-weight model over 256 tokens: the mean token loss is about ln(256) = 5.55.
+        assert 4.5 < float(loss) < 6.5, out
+        assert 0 < int(mine) < int(world), out
+        assert float(after) <= float(before), out  # never worse than the source
+    assert any(int(line[-1]) > 0 for line in lines), out  # balancing moved samples
 
 
 def test_async_loop_with_hooks(tmp_path: Path) -> None:

@@ -398,3 +398,35 @@ async def test_shared_dataset_mode_delivers_the_payload_modes_windows_and_resume
         loader.load_state_dict(run["states"][cut - 1])
     tails = await _run(restored)
     assert [t["batches"] for t in tails] == [r["batches"][cut:] for r in shared]
+
+
+# -- device staging -------------------------------------------------------------------------------
+
+
+def test_a_window_longer_than_the_device_bound_still_flows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``device_prefetch_depth=1`` the copy of a window's second step waits for its first
+    to be delivered, which waits for the window's last step to be packed: the stages between
+    them must be able to hold the window's steps, or the pipeline stalls for good."""
+    import torch
+    from conftest import load_test_module
+
+    from evenflow.engine._pipeline import h2d
+
+    device = load_test_module("test_train_device_prefetch.py")
+    monkeypatch.setattr(h2d, "_load_device_module", lambda _: device._Device())
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
+    window, steps = 8, 20
+    config = LoaderConfig(
+        seq_len=16,
+        bins_per_rank=2,
+        balance_window=window,
+        device_prefetch_depth=1,
+        log_stats=False,
+    )
+    source = [[[[s] * 5, [s] * 3], [[s] * 4]] for s in range(steps)]
+    loader = BalancedLoader(source, config=config, device="cuda:0", move_fn=lambda b, d: b)
+    results, errors, hung = run_in_threads(
+        [loader], lambda rank, ld: [int(b[0]["input_ids"][0, 0]) for b in ld], deadline=30.0
+    )
+    assert hung == [False] and errors == [None]
+    assert sorted(results[0]) == list(range(steps))

@@ -75,7 +75,9 @@ def build_loader(
 
     ``transport`` is ``"gloo"`` (CPU data plane) or ``"device"`` (collectives on the training
     device). ``timeout`` (default ``config.timeout``) bounds every collective of every group
-    created here. ``loader_kwargs`` go to :class:`~evenflow.engine.BalancedLoader`
+    created here. With more than one balance group it also creates a Gloo group of every
+    constructor for the per-step world round (loss-token totals, ends and failures across
+    groups). ``loader_kwargs`` go to :class:`~evenflow.engine.BalancedLoader`
     (``metadata_fn``, ``pack_fn``, ``collate_fn``, ``cost_model``, ``algorithm``, ``device``,
     ``move_fn``, ``cpu_fields``, ``tracer``, ``stats_callback``).
 
@@ -143,6 +145,13 @@ def build_loader(
             pg = groups.create(group, "gloo") if len(group) > 1 else None
             if rank in group:
                 mine["mp"] = pg
+        if len(balance) > 1:
+            # The world round of loss-token totals (and of ends and failures) across balance
+            # groups: one Gloo group of every constructor, never a training group.
+            world_ranks = sorted(layout.constructors)
+            pg = groups.create(world_ranks, "gloo")
+            if topology.is_constructor:
+                mine["world"] = pg
 
         # Round 2: build locally, then compare what every rank built.
         error = None
@@ -202,6 +211,13 @@ def _local_checks(
     if not isinstance(config, LoaderConfig):
         raise TypeError(f"config must be a LoaderConfig, but got {config!r:.80}.")
     check_choice("transport", transport, _TRANSPORTS)
+    for name in ("transport", "world_transport"):
+        if name in loader_kwargs:
+            raise TypeError(
+                f"build_loader got {name}= among the loader's arguments, but it creates the "
+                "loader's transports itself; drop it (choose the data plane with transport="
+                "'gloo' or 'device')."
+            )
     if mesh is None:
         if dp_dim_names is not None:
             raise ConfigError(
@@ -260,10 +276,20 @@ def _build_local(
     data_transport = _make_transport(
         transport, mine.get("balance"), topology, seconds, loader_kwargs
     )
+    world_pg = mine.get("world")
+    world = None if world_pg is None else GlooTransport(world_pg, timeout=seconds)
     try:
-        inner = BalancedLoader(source, config=config, transport=data_transport, **loader_kwargs)
+        inner = BalancedLoader(
+            source,
+            config=config,
+            transport=data_transport,
+            world_transport=world,
+            **loader_kwargs,
+        )
     except BaseException:
         _close_transport(data_transport)
+        if world is not None:
+            _close_transport(world)
         if broadcaster is not None:
             broadcaster.close()
         raise
@@ -273,6 +299,7 @@ def _build_local(
         transport=data_transport,
         broadcaster=broadcaster,
         release=groups.destroy,
+        world_transport=world,
     )
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._distributed.topology import Topology
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
+from evenflow.engine._pipeline.loss_tokens import LossTokens
 from evenflow.engine._pipeline.parts import (
     check_config,
     fingerprint_of,
@@ -153,9 +154,11 @@ class DistributedLoader(LoaderFacade):
         stager: DeviceStager | None,
         identity: dict[str, Any],
         release: Callable[[], None],
+        world_transport: Transport | None = None,
     ) -> None:
         super().__init__()
         self._topology = topology
+        self._world_transport = world_transport
         self._config = config
         self._inner = inner
         self._transport = transport
@@ -167,6 +170,7 @@ class DistributedLoader(LoaderFacade):
         self._epoch = 0
         self._step = 0
         self._last_host: Any = None
+        self._last_loss: LossTokens | None = None
         # How the current pass ended on the message stream: None, "end" or "error".
         self._pass_state: str | None = None
         self._failure: BaseException | None = None
@@ -180,6 +184,7 @@ class DistributedLoader(LoaderFacade):
         transport: Transport,
         broadcaster: BatchBroadcaster | None,
         release: Callable[[], None],
+        world_transport: Transport | None = None,
     ) -> DistributedLoader:
         return cls(
             topology=topology,
@@ -190,6 +195,7 @@ class DistributedLoader(LoaderFacade):
             stager=None,
             identity=inner.identity(),
             release=release,
+            world_transport=world_transport,
         )
 
     @classmethod
@@ -267,6 +273,11 @@ class DistributedLoader(LoaderFacade):
         return self._inner.last_stats if self._inner is not None else None
 
     @property
+    def last_loss_tokens(self) -> LossTokens | None:
+        """Loss targets of the last delivered step (a follower gets its constructor's)."""
+        return self._inner.last_loss_tokens if self._inner is not None else self._last_loss
+
+    @property
     def last_host_batch(self) -> Any:
         return self._inner.last_host_batch if self._inner is not None else self._last_host
 
@@ -342,6 +353,8 @@ class DistributedLoader(LoaderFacade):
                 await self._inner._close(run.blocking)
             if self._transport is not None:
                 await run.once(self._transport.aclose())
+            if self._world_transport is not None:
+                await run.once(self._world_transport.aclose())
         finally:
             # Joining the broadcast thread may wait for a collective in flight.
             await run.offload(self._release_now)
@@ -402,6 +415,7 @@ class DistributedLoader(LoaderFacade):
         self._epoch, self._step = epoch, 0
         self._pass_state, self._failure = None, None
         self._last_host = None
+        self._last_loss = None
 
     def _header(self, status: str, exc: BaseException | None) -> dict[str, Any]:
         assert self._inner is not None
@@ -410,7 +424,14 @@ class DistributedLoader(LoaderFacade):
         # step that was asked for.
         step = inner.step - 1 if status == "ok" else inner.step
         info = None if exc is None else encode_error(exc, rank=self._topology.rank, step=step)
-        return {"status": status, "epoch": inner.epoch, "step": step, "error": info}
+        loss = inner.last_loss_tokens if status == "ok" else None
+        return {
+            "status": status,
+            "epoch": inner.epoch,
+            "step": step,
+            "error": info,
+            "loss_tokens": None if loss is None else loss.to_dict(),
+        }
 
     async def _announce(self, run: Runner, status: str, exc: BaseException | None) -> None:
         """Tell the followers that this pass ended or failed (once per pass)."""
@@ -458,6 +479,7 @@ class DistributedLoader(LoaderFacade):
         delivered = self._stager.deliver(staged)
         self._step += 1
         self._last_host = batch
+        self._last_loss = _loss_tokens_from(header.get("loss_tokens"))
         return delivered
 
     def _release_now(self) -> None:
@@ -468,3 +490,18 @@ class DistributedLoader(LoaderFacade):
                 self._stager.close()
         finally:
             self._release_groups()
+
+
+def _loss_tokens_from(value: Any) -> LossTokens | None:
+    """The constructor's ``LossTokens`` from a batch header (peer data: checked)."""
+    if value is None:
+        return None
+    names = ("step", "rank", "group", "world")
+    if not isinstance(value, dict) or any(
+        isinstance(value.get(n), bool) or not isinstance(value.get(n), int) for n in names
+    ):
+        raise WireFormatError(
+            f"Malformed loss_tokens {value!r:.120} in a batch header: expected integer "
+            f"{', '.join(names)}."
+        )
+    return LossTokens(**{n: value[n] for n in names})

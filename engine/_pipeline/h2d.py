@@ -261,6 +261,24 @@ class DeviceStager:
         while self._retained and self._retained[0][0].query():
             self._retained.popleft()
 
+    def pin(self, host_batch: Any) -> Any:
+        """``host_batch`` with its CPU tensors pinned, for a later :meth:`stage` (which then
+        pins nothing): a step that waits on the host for a device slot waits pinned, so its
+        copy can start at once. ``cpu_fields`` are left as they are. Inactive, or with
+        ``pin_memory=False``: returns ``host_batch`` itself.
+        """
+        self._check_open("pin")
+        self._check_batch(host_batch)
+        if self._module is None or not self._pin:
+            return host_batch
+        if self._cpu_fields:
+            pinned = {
+                k: v if k in self._cpu_fields else _map_leaves(v, _pin_leaf)
+                for k, v in host_batch.items()
+            }
+            return _rebuild_mapping(host_batch, pinned)
+        return _map_leaves(host_batch, _pin_leaf)
+
     def stage(self, host_batch: Any) -> Any:
         """Enqueue the copies of ``host_batch``; returns a :class:`StagedBatch`.
 

@@ -13,6 +13,7 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._logging import show_info_lines
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
+from evenflow.engine._pipeline.loss_tokens import LossTokens, step_loss_tokens
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
 from evenflow.engine._pipeline.parts import (
     check_callables,
@@ -33,9 +34,10 @@ from evenflow.engine._pipeline.resume import (
 )
 from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import StepState
+from evenflow.engine._pipeline.world import WorldRound
 from evenflow.engine._sources._common import SourceReport
 from evenflow.engine._tracing import StallMeter
-from evenflow.engine.errors import LoaderStateError, StallTimeoutError
+from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
 from evenflow.transports._registry import create_transport
 
@@ -78,6 +80,7 @@ class BalancedLoader(LoaderFacade):
         cpu_fields: Sequence[str] = (),
         tracer: Any = None,
         stats_callback: Callable[[StepStats], None] | None = None,
+        world_transport: Transport | None = None,
     ) -> None:
 
         super().__init__()
@@ -103,6 +106,7 @@ class BalancedLoader(LoaderFacade):
         self._source = guard_one_shot(source)
         self._config = config
         self._transport, self._owns_transport = _resolve_transport(transport, config)
+        self._world_transport = _check_world_transport(world_transport, self._transport)
         parts = loader_parts(
             config,
             num_ranks=self._transport.num_ranks,
@@ -152,6 +156,7 @@ class BalancedLoader(LoaderFacade):
         self._read_from = 0  # the first step the pass reads: its first window's first step
         self._delivered = 0  # steps delivered in this pass, counting restored ones
         self._last_stats: StepStats | None = None
+        self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
         self._source_state: Any = None
         self._restored: dict[str, Any] | None = None
@@ -182,6 +187,19 @@ class BalancedLoader(LoaderFacade):
     def last_stats(self) -> StepStats | None:
         """Balance statistics of the last *consumed* step (never of a prefetched one)."""
         return self._last_stats
+
+    @property
+    def last_loss_tokens(self) -> LossTokens | None:
+        """Loss targets of the last delivered step on this rank, its balance group and the
+        whole data-parallel world; ``None`` before the first step or when a sample's count is
+        unknown (a custom ``pack_fn`` whose ``metadata_fn`` sets no ``loss_tokens``)."""
+        return self._last_loss_tokens
+
+    @property
+    def world_transport(self) -> Transport | None:
+        """The transport of the world round across balance groups (``None``: the balance
+        group is the whole world)."""
+        return self._world_transport
 
     @property
     def last_pass(self) -> PassSummary | None:
@@ -314,6 +332,7 @@ class BalancedLoader(LoaderFacade):
         self._source_state = None
         self._last_host_batch = None
         self._last_stats = None
+        self._last_loss_tokens = None
         self._pass_samples = self._pass_tokens = 0
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
@@ -398,6 +417,7 @@ class BalancedLoader(LoaderFacade):
             initial_iter=initial_iter,
             read_from=self._read_from,
             initial_source_state=self._source_state,
+            world=WorldRound(self._world_transport, on_uneven_end=self._config.on_uneven_end),
             assigned=self._assigned,
             dataset=self._dataset,
         )
@@ -485,6 +505,10 @@ class BalancedLoader(LoaderFacade):
         self._delivered = state.step + 1
         self._source_state = state.resume_source
         self._last_stats = state.stats
+        world = state.loss_world if self._world_transport is not None else state.loss_group
+        self._last_loss_tokens = step_loss_tokens(
+            state.step, state.loss_rank, state.loss_group, world
+        )
         self._last_host_batch = state.host_batch
         routes, plan = state.routes, state.plan
         if routes is not None and plan is not None:
@@ -539,3 +563,25 @@ def _resolve_transport(
     raise TypeError(
         f"transport must be a Transport, a transport name or None, but got {transport!r:.80}."
     )
+
+
+def _check_world_transport(world: object, transport: Transport) -> Transport | None:
+    if world is None:
+        return None
+    if not isinstance(world, Transport):
+        raise TypeError(
+            f"world_transport must be a Transport or None, but got {world!r:.80}; pass a "
+            "transport over one rank of every data-parallel coordinate, or None when the "
+            "balance group is the whole world."
+        )
+    if world is transport:
+        raise ConfigError(
+            "world_transport must not be the balance group's transport: each group's "
+            "collectives need their own transport (and thread). Pass a separate one, or None."
+        )
+    if world.launch_on_caller:
+        raise ConfigError(
+            f"world_transport {world.name!r} launches on the caller's thread; the world round "
+            "runs in the background. Pass a Gloo (CPU) transport."
+        )
+    return world

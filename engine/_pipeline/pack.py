@@ -22,17 +22,26 @@ concatenation.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
+from evenflow.engine._model import SampleMetadata
+from evenflow.engine._sources._common import IndexedSample
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import ConfigError
 
-__all__ = ["IGNORE_INDEX", "count_loss_tokens", "default_collate_fn", "default_pack_fn"]
+__all__ = [
+    "IGNORE_INDEX",
+    "count_loss_tokens",
+    "default_collate_fn",
+    "default_pack_fn",
+    "with_loss_tokens",
+]
 
 IGNORE_INDEX = -100
 """The label that takes no part in the loss (Hugging Face's and ``cross_entropy``'s default)."""
@@ -119,6 +128,36 @@ def count_loss_tokens(sample: object) -> int:
     if labels is None:
         return max(len(tokens) - 1, 0)
     return int(np.count_nonzero(labels[1:] != IGNORE_INDEX))
+
+
+def with_loss_tokens(metadata_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``metadata_fn`` completed with each sample's loss tokens as :func:`default_pack_fn`
+    counts them, where it leaves ``loss_tokens`` unknown (the loader wraps the metadata
+    function this way whenever the default pack is used).
+
+    A sample without ``labels`` trains on all its positions but the first, so its count is
+    ``tokens - 1`` with no look at the tokens; only a sample carrying ``labels`` is counted
+    (:func:`count_loss_tokens`). A value the metadata function gives is kept. An
+    ``IndexedSample`` (a dataset index standing for a sample not read yet) stays unknown: its
+    labels cannot be seen. What is neither a ``SampleMetadata`` nor an ``int`` passes through
+    for the loader to reject by name.
+    """
+
+    def describe(sample: Any) -> Any:
+        meta = metadata_fn(sample)
+        if isinstance(meta, int) and not isinstance(meta, bool):
+            meta = SampleMetadata(tokens=meta)
+        if not isinstance(meta, SampleMetadata) or meta.loss_tokens is not None:
+            return meta
+        if isinstance(sample, IndexedSample):
+            return meta
+        if isinstance(sample, Mapping) and sample.get("labels") is not None:
+            loss = count_loss_tokens(sample)
+        else:
+            loss = meta.tokens - 1
+        return dataclasses.replace(meta, loss_tokens=loss)
+
+    return describe
 
 
 def default_pack_fn(samples: Sequence[Any], seq_len: int) -> dict[str, Any]:

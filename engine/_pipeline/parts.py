@@ -19,7 +19,7 @@ import numpy as np
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.h2d import DeviceStager
-from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn
+from evenflow.engine._pipeline.pack import default_collate_fn, default_pack_fn, with_loss_tokens
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine._tracing import resolve_tracer
 from evenflow.engine.errors import ConfigError
@@ -43,7 +43,13 @@ __all__ = [
 
 LIBRARY_VERSION = "0.1.0"
 #: Settings that may change across a restart without changing what is delivered.
-RUNTIME_ONLY = ("prefetch_depth", "timeout", "log_stats", "switch_interval")
+RUNTIME_ONLY = (
+    "prefetch_depth",
+    "device_prefetch_depth",
+    "timeout",
+    "log_stats",
+    "switch_interval",
+)
 
 
 def default_metadata_fn(sample: Any) -> int:
@@ -151,7 +157,11 @@ def loader_parts(
         raise
     return LoaderParts(
         config=config,
-        metadata_fn=metadata_fn or default_metadata_fn,
+        # The default pack's loss targets are known from the samples: count them, so every
+        # step's LossTokens is available without a custom metadata_fn.
+        metadata_fn=with_loss_tokens(metadata_fn or default_metadata_fn)
+        if pack_fn is None
+        else metadata_fn or default_metadata_fn,
         pack_fn=pack_fn or default_pack_fn,
         collate_fn=collate_fn or default_collate_fn,
         planner=planner,

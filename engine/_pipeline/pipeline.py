@@ -2,11 +2,11 @@
 
 ::
 
-    read ──► gather ──► plan ──► exchange ──► pack ──► (out) ──► caller
-    (source   (collective) (CPU,   (collective,  (CPU: pack,
-     executor)             replicated only if     collate,
-                           or leader) samples     H2D staging)
-                                      move)
+    read ──► gather ──► plan ──► exchange ──► pack ──► world ──► h2d ──► (out) ──► caller
+    (source   (collective) (CPU,   (collective,  (CPU: pack, (collective (copy to the
+     executor)             replicated only if     collate,    across      device when a
+                           or leader) samples     pin, H2D    groups,     device slot is
+                                      move)       staging)    if any)     free)
 
 In shared-dataset mode (:mod:`~evenflow.engine._pipeline.read_assigned`) the exchange stage is
 replaced by *read_assigned*: no collective, each rank reads its planned samples by dataset
@@ -21,7 +21,12 @@ ends the pipeline: the sequencer fails and every waiting stage and caller is rel
 
 Step ``s`` is handed to the caller only when the metadata round of ``s + 1`` (or the final
 ``end`` round) has confirmed that every rank finished ``s``. At most ``prefetch_depth + 1``
-steps are read and not yet delivered (a balance window raises that, as below).
+steps are read and not yet delivered (a balance window raises that, as below), and at most
+``device_prefetch_depth`` of them are staged on the device: ``pack`` stages a step at once
+while a device slot is free (as it always did without the bound); otherwise the step waits on
+the host, pinned, and the ``h2d`` stage copies it when the caller takes an earlier step. The
+``world`` stage completes each step's loss-token totals across balance groups
+(:mod:`evenflow.engine._pipeline.world`).
 
 With a balance window of ``W = balance_window > 1`` steps the plan stage holds the gathered
 steps of a window until its last one arrives, plans them together, and lets them flow on one
@@ -54,6 +59,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
+from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
+from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
 from evenflow.engine._pipeline.plan_stage import PlanStage
 from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
 from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
@@ -69,6 +76,7 @@ from evenflow.engine._pipeline.verdict import (
     prev_status,
     window_reports,
 )
+from evenflow.engine._pipeline.world import WorldRound
 from evenflow.engine.errors import (
     LoaderStateError,
     PlanningError,
@@ -109,6 +117,7 @@ class Pipeline:
         initial_iter: Iterator[Any] | None = None,
         read_from: int | None = None,
         initial_source_state: Any = None,
+        world: WorldRound | None = None,
         assigned: AssignedReader | None = None,
         dataset: dict[str, Any] | None = None,
     ) -> None:
@@ -156,6 +165,12 @@ class Pipeline:
         )
         depth = config.prefetch_depth + self._window
         self._slots = asyncio.Semaphore(depth)
+        self._world = world if world is not None else WorldRound(None, on_uneven_end="stop")
+        # Undelivered steps on the device; without a bound every undelivered step may be.
+        device_depth = config.device_prefetch_depth
+        self._device_slots = asyncio.Semaphore(depth if device_depth is None else device_depth)
+        self._waiting_h2d = 0  # packed steps waiting on the host for a device slot
+        self.world_step = first_step - 1  # the last step whose world round is done
         self._out_send, self._out_recv = anyio.create_memory_object_stream[StepState](depth)
         # Steps settled since the last metadata round (their reports go in the next one),
         # and those whose reports are in the round under way, awaiting its result.
@@ -190,6 +205,13 @@ class Pipeline:
         gath_s, gath_r = anyio.create_memory_object_stream[StepState](1)
         plan_s, plan_r = anyio.create_memory_object_stream[StepState](1)
         exch_s, exch_r = anyio.create_memory_object_stream[StepState](1)
+        # In a balance window the copy of a step may wait (device_prefetch_depth) for the
+        # delivery of an earlier step of its window, which waits for the window's last step
+        # to settle: the channels after pack must hold a window's steps, or pack would stall
+        # behind that copy. (Never more than the read-ahead slots exist.)
+        after_pack = 1 if self._window == 1 else self._config.prefetch_depth + self._window
+        pack_s, pack_r = anyio.create_memory_object_stream[StepState](after_pack)
+        world_s, world_r = anyio.create_memory_object_stream[StepState](after_pack)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._read_stage(read_s))
@@ -204,7 +226,16 @@ class Pipeline:
                     tg.create_task(
                         self._stage("read_assigned", plan_r, exch_s, self._read_assigned)
                     )
-                tg.create_task(self._stage("pack", exch_r, self._out_send, self._pack))
+                tg.create_task(self._stage("pack", exch_r, pack_s, self._pack))
+                # Traced only where they do work: a world of several groups, a device.
+                world_traced = self._world.spans_groups
+                h2d_traced = self._stager.active
+                tg.create_task(
+                    self._stage("world", pack_r, world_s, self._world_round, traced=world_traced)
+                )
+                tg.create_task(
+                    self._stage("h2d", world_r, self._out_send, self._h2d, traced=h2d_traced)
+                )
         except BaseException as exc:  # a stage crashed, the group failed, or close() cancelled
             self._gather_done = True
             self.notify()
@@ -270,9 +301,19 @@ class Pipeline:
                 return None
             assert state.confirmed is not None
             await asyncio.shield(state.confirmed)
+            # Like the metadata round, the next step's world round precedes delivery.
+            await self._wait_world_round(state.step + 1)
             self._pending = None
             self._slots.release()
+            self._release_device_slot(state)
             self._raise_for(state)
+            if state.world_end is not None and not self._stop_reading:
+                # Another balance group ended at this step: end here too, draining this
+                # group's steps in flight so its ranks stop at one shared metadata round.
+                state.uneven, state.end_reason = state.world_end, "exhausted"
+                await self.drain(self._config.timeout)
+                self.final_round = state
+                return None
         except (asyncio.CancelledError, LoaderStateError):
             raise
         except BaseException as exc:
@@ -348,6 +389,11 @@ class Pipeline:
         self.exchange_launched_step = max(self.exchange_launched_step, self._exchanging)
         self.notify()
 
+    def _release_device_slot(self, state: StepState) -> None:
+        if state.device_slot:
+            state.device_slot = False
+            self._device_slots.release()
+
     def _raise_for(self, state: StepState) -> None:
         if state.error is not None:
             raise state.error
@@ -362,11 +408,16 @@ class Pipeline:
         recv: MemoryObjectReceiveStream[StepState],
         send: MemoryObjectSendStream[StepState],
         work: Callable[[StepState], Any],
+        *,
+        traced: bool = True,
     ) -> None:
         async with recv, send:
             async for state in recv:
-                depth = recv.statistics().current_buffer_used
-                with self._tracer.span(name, state.step, queue_depth=depth):
+                if traced:
+                    depth = recv.statistics().current_buffer_used
+                    with self._tracer.span(name, state.step, queue_depth=depth):
+                        await work(state)
+                else:
                     await work(state)
                 if state.skip and send is self._out_send:
                     self._slots.release()  # delivered before the restore: never again
@@ -692,14 +743,35 @@ class Pipeline:
             await self._sequencer.turn(state.step, "settle")
             await self._sequencer.advance(state.step, "settle")
             return
+        messages, plan = state.messages, state.plan
+        if messages is not None and plan is not None:
+            # From the samples' metadata; the default pack counts its bins below otherwise.
+            # A window's plan names samples of any of its steps: each read step's messages.
+            by_step = state.window_messages or {state.step: messages}
+            state.loss_rank = rank_loss_tokens(by_step, plan, self._rank)
         if state.error is None and state.remote is None and state.routes is not None:
+            # A free device slot and no earlier step waiting for one: stage now, so that a
+            # failed copy is announced with the step. (Staging past a waiting step would take
+            # the slot it waits for, and it is delivered first: a deadlock.)
+            stage_now = not self._stager.active or (
+                self._waiting_h2d == 0 and not self._device_slots.locked()
+            )
+            if self._stager.active:
+                if stage_now:
+                    await self._device_slots.acquire()
+                    state.device_slot = True
+                else:
+                    self._waiting_h2d += 1
             loop = asyncio.get_running_loop()
             try:
                 state.host_batch, state.staged = await loop.run_in_executor(
-                    self._cpu, self._pack_sync, state
+                    self._cpu, self._pack_sync, state, stage_now
                 )
             except Exception as exc:
                 state.fail(getattr(exc, "_evenflow_stage", "pack"), exc)
+                self._release_device_slot(state)
+                if self._stager.active and not stage_now:
+                    self._waiting_h2d -= 1
         if state.window_samples is not None and state.routes is not None:
             _drop_local(state.window_samples, state.routes.bins, self._rank)
         state.release_payloads()
@@ -707,7 +779,7 @@ class Pipeline:
         self._settled.append(state)
         await self._sequencer.advance(state.step, "settle")
 
-    def _pack_sync(self, state: StepState) -> tuple[Any, Any]:
+    def _pack_sync(self, state: StepState, stage_now: bool) -> tuple[Any, Any]:
         routes = state.routes
         assert routes is not None
         local, received, rank = state.local_samples(), state.received, self._rank
@@ -726,17 +798,65 @@ class Pipeline:
                             f"it at step {state.step}; the exchange lost data."
                         ) from None
             packed.append(self._pack_fn(samples, self._config.seq_len))
+        if state.loss_rank is None and self._pack_fn is default_pack_fn:
+            # Samples read after planning (shared-dataset mode) carry no count in the
+            # metadata: the packed labels say exactly what the rank trains on.
+            state.loss_rank = sum(map(count_loss_tokens, packed))
         try:
             batch = self._collate_fn(packed)
         except Exception as exc:
             exc._evenflow_stage = "collate"  # type: ignore[attr-defined]
             raise
         try:
-            staged = self._stager.stage(batch)
+            # Waiting for a device slot: the batch waits on the host, pinned.
+            staged = self._stager.stage(batch) if stage_now else self._stager.pin(batch)
         except Exception as exc:
             exc._evenflow_stage = "h2d"  # type: ignore[attr-defined]
             raise
+        state.staged_now = stage_now
         return batch, staged
+
+    # -- world ------------------------------------------------------------------------------
+
+    async def _world_round(self, state: StepState) -> None:
+        if state.skip:
+            return  # delivered before the restore, in every group alike: no round
+        await self._world.run(state)
+        self.world_step = state.step
+        self.notify()
+
+    async def _wait_world_round(self, step: int) -> None:
+        """Wait for the world round of ``step`` (or for rounds to stop, or the pipeline)."""
+        if not self._world.spans_groups:
+            return
+        while not (
+            self.world_step >= step
+            or self._world.stopped
+            or (self._task is not None and self._task.done())
+        ):
+            await self._progress.wait()
+
+    # -- h2d ----------------------------------------------------------------------------------
+
+    async def _h2d(self, state: StepState) -> None:
+        """Copy a step that waited on the host once a device slot is free (in step order)."""
+        if state.terminal or state.staged_now or state.staged is None or state.error is not None:
+            return
+        self._waiting_h2d -= 1
+        if state.remote is not None:
+            return  # raised at delivery: nothing to copy
+        await self._device_slots.acquire()
+        state.device_slot = True
+        loop = asyncio.get_running_loop()
+        try:
+            state.staged = await loop.run_in_executor(self._cpu, self._stager.stage, state.staged)
+        except Exception as exc:
+            # The step's status was announced before this copy: peers cannot learn of the
+            # failure in a metadata round. Close the transport so that they fail promptly
+            # with a peer failure, and raise the copy's error here.
+            state.fail("h2d", exc)
+            self._release_device_slot(state)
+            await self._abort_after_local_planning_failure(state, exc)
 
 
 def _drop_local(

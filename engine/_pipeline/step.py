@@ -83,6 +83,13 @@ class StepState:
     received: dict[Any, Any] = field(default_factory=dict)
     host_batch: Any = None
     staged: Any = None
+    # Loss targets of this rank's planned batch, its group and the world (None: unknown).
+    loss_rank: int | None = None
+    loss_group: int | None = None
+    loss_world: int | None = None
+    world_end: Any = None  # the UnevenEnd when another balance group ended at this step
+    staged_now: bool = False  # staged in ``pack`` (else it waited on the host, pinned)
+    device_slot: bool = False  # holds one of the pipeline's device slots
     confirmed: asyncio.Future[None] | None = None
     # Balance windows: the samples this rank read in every step of the window, by step (one
     # dict shared by the window's steps; a sample's entry is dropped once the step that trains
@@ -137,6 +144,11 @@ def build_message(
         metas = state.metas
         msg["sizes"] = np.array(state.sizes, dtype=np.int32)
         msg["tokens"] = np.fromiter((m.tokens for m in metas), dtype=np.int64, count=len(metas))
+        if all(m.loss_tokens is not None for m in metas):
+            # Loss targets per sample (LossTokens); absent when any sample's count is unknown.
+            msg["loss"] = np.fromiter(
+                (m.loss_tokens for m in metas), dtype=np.int32, count=len(metas)
+            )
         if state.steps_left is not None:
             msg["left"] = state.steps_left
         if any(m.features for m in metas):

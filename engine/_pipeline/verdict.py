@@ -25,7 +25,8 @@ def prev_status(prev: StepState | None, rank: int) -> dict[str, Any] | None:
         return None
     info = None if prev.error is None else error_info(rank, prev.error_stage, prev.step, prev.error)
     digest = prev.plan.digest if prev.plan is not None else None
-    return {"step": prev.step, "error": info, "digest": digest}
+    # This rank's loss targets of the step: the group's total is the sum of the reports.
+    return {"step": prev.step, "error": info, "digest": digest, "loss": prev.loss_rank}
 
 
 def confirm_prev(
@@ -38,6 +39,10 @@ def confirm_prev(
     differs becomes the step's group-wide error; the step may then be delivered (or raised)."""
     if prev is None or prev.confirmed is None:
         return
+    losses = [p.get("loss") if isinstance(p, dict) else None for p in prevs]
+    counts = [v for v in losses if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    if len(counts) == len(losses):
+        prev.loss_group = sum(counts)
     if prev.error is None:
         for sender, p in enumerate(prevs):
             info = p.get("error") if isinstance(p, dict) else None

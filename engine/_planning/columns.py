@@ -99,6 +99,7 @@ def _checked_metadata(tokens: int, features: Any, packing_costs: dict[str, float
     object.__setattr__(meta, "tokens", tokens)
     object.__setattr__(meta, "features", {} if features is None else features)
     object.__setattr__(meta, "packing_costs", packing_costs)
+    object.__setattr__(meta, "loss_tokens", None)  # not a planning input
     return meta
 
 
