@@ -21,7 +21,11 @@ import numpy as np
 from evenflow.engine._model import SampleKey
 from evenflow.engine.errors import GroupMismatchError
 
-__all__ = ["BalanceDecision", "BinPlan", "Plan", "PlanLayout", "plan_digest"]
+__all__ = ["AT_BOUND", "BalanceDecision", "BinPlan", "Plan", "PlanLayout", "plan_digest"]
+
+# A plan within this relative distance of its lower bound is "at bound". Float sums of
+# different orders differ by far less; the search itself stops within 2e-4 of the bound.
+AT_BOUND = 1e-3
 
 Batches = tuple[tuple["BinPlan", ...], ...]
 
@@ -37,10 +41,19 @@ class BinPlan:
 
 @dataclass(frozen=True, slots=True)
 class BalanceDecision:
-    """Why the planner kept or replaced the source layout.
+    """Why the planner kept or replaced the source layout, and how far the result can be from
+    the best possible one.
 
     ``relative_gain = (original - candidate) / original`` (0 when ``original`` is 0); the
     candidate is accepted only when ``relative_gain > min_balance_gain`` (strictly).
+
+    How good the accepted layout is, in cost-model units: ``makespan`` is its largest rank
+    cost, ``lower_bound`` a cost no layout of the step can go below (proven; see
+    ``evenflow.engine._planning.bounds``), ``mean_cost`` the mean rank cost and
+    ``largest_cost`` the costliest sample. Derived: ``gap = makespan / lower_bound - 1``,
+    ``at_bound`` (``gap <= 0.001``: no layout is meaningfully faster) and ``outlier_bound``
+    (one sample costs more than the mean rank: that sample's rank sets the step time, and a
+    wide spread between ranks is unavoidable). All four are 0 on plans that carry no bound.
     """
 
     objective: str
@@ -50,10 +63,69 @@ class BalanceDecision:
     relative_gain: float
     min_balance_gain: float
     accepted: bool
+    makespan: float = 0.0
+    lower_bound: float = 0.0
+    mean_cost: float = 0.0
+    largest_cost: float = 0.0
 
     @property
     def accepted_objective(self) -> float:
         return self.candidate_objective if self.accepted else self.original_objective
+
+    @property
+    def gap(self) -> float:
+        """``makespan / lower_bound - 1`` (>= 0; 0 when there is no bound)."""
+        if self.lower_bound <= 0.0:
+            return 0.0
+        return max(self.makespan / self.lower_bound - 1.0, 0.0)
+
+    @property
+    def at_bound(self) -> bool:
+        """The makespan is within 0.1% of the lower bound: no layout is meaningfully better."""
+        return self.gap <= AT_BOUND
+
+    @property
+    def outlier_bound(self) -> bool:
+        """One sample costs more than the mean rank cost (its rank bounds the step)."""
+        return self.largest_cost > self.mean_cost
+
+    def verdict(self) -> str:
+        """How to read the plan's quality in a few words (what ``log_line`` shows)."""
+        if self.lower_bound <= 0.0:
+            return "no bound"
+        where = "at bound" if self.at_bound else f"{self.gap:.1%} above bound"
+        if self.outlier_bound:
+            ratio = self.largest_cost / self.mean_cost if self.mean_cost > 0 else float("inf")
+            where += f", outlier-bound (largest sample {ratio:.2f}x mean rank)"
+        return where
+
+    def to_wire(self) -> list[Any]:
+        return [
+            self.objective,
+            self.algorithm,
+            self.original_objective,
+            self.candidate_objective,
+            self.relative_gain,
+            self.min_balance_gain,
+            self.accepted,
+            self.makespan,
+            self.lower_bound,
+            self.mean_cost,
+            self.largest_cost,
+        ]
+
+    @classmethod
+    def from_wire(cls, d: Sequence[Any]) -> BalanceDecision:
+        return cls(
+            str(d[0]),
+            str(d[1]),
+            float(d[2]),
+            float(d[3]),
+            float(d[4]),
+            float(d[5]),
+            bool(d[6]),
+            *(float(v) for v in d[7:11]),
+        )
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -267,15 +339,7 @@ def plan_to_wire(plan: Plan) -> dict[str, Any]:
         "tokens": [tokens[r * per : (r + 1) * per] for r in range(layout.num_ranks)],
         "rank_costs": list(plan.rank_costs),
         "source_rank_costs": list(plan.source_rank_costs),
-        "decision": [
-            d.objective,
-            d.algorithm,
-            d.original_objective,
-            d.candidate_objective,
-            d.relative_gain,
-            d.min_balance_gain,
-            d.accepted,
-        ],
+        "decision": d.to_wire(),
         "num_moved": plan.num_moved,
         "digest": plan.digest,
     }
@@ -309,9 +373,7 @@ def plan_from_wire(data: dict[str, Any], step: int) -> Plan:
         seq_len=seq_len,
         rank_costs=tuple(float(c) for c in data["rank_costs"]),
         source_rank_costs=tuple(float(c) for c in data["source_rank_costs"]),
-        decision=BalanceDecision(
-            str(d[0]), str(d[1]), float(d[2]), float(d[3]), float(d[4]), float(d[5]), bool(d[6])
-        ),
+        decision=BalanceDecision.from_wire(d),
         num_moved=int(data["num_moved"]),
         digest=digest,
     )

@@ -32,7 +32,7 @@ from evenflow.engine._pipeline.resume import (
     validate_state,
     window_first,
 )
-from evenflow.engine._pipeline.stats import StepStats
+from evenflow.engine._pipeline.stats import BalanceTally, StepStats
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine._pipeline.world import WorldRound
 from evenflow.engine._sources._common import SourceReport
@@ -156,6 +156,7 @@ class BalancedLoader(LoaderFacade):
         self._read_from = 0  # the first step the pass reads: its first window's first step
         self._delivered = 0  # steps delivered in this pass, counting restored ones
         self._last_stats: StepStats | None = None
+        self._balance = BalanceTally()
         self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
         self._source_state: Any = None
@@ -230,10 +231,13 @@ class BalancedLoader(LoaderFacade):
         return min(v for v in (limit, size) if v is not None)
 
     def trace_summary(self) -> dict[str, Any]:
-        """Per-stage timings (when tracing) and the caller's data stall versus compute."""
+        """Per-stage timings (when tracing), the caller's data stall versus compute, and how
+        close the delivered steps' plans were to their bounds (``"balance"``: see
+        :class:`BalanceTally`)."""
         summary = dict(self._tracer.summary())
         summary["caller"] = self._meter.summary()
         summary["pass"] = None if self._last_pass is None else self._last_pass.to_dict()
+        summary["balance"] = self._balance.to_dict()
         return summary
 
     def fingerprint(self, *, for_resume: bool = False) -> str:
@@ -518,6 +522,7 @@ class BalancedLoader(LoaderFacade):
             self._pass_tokens += int(plan.layout.tokens[rank * per : (rank + 1) * per].sum())
         stats = state.stats
         if stats is not None:
+            self._balance.add(stats)
             if (
                 self._config.log_stats
                 and self._transport.rank == 0

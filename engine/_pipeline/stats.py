@@ -14,7 +14,7 @@ import numpy as np
 from evenflow.engine._plan import BalanceDecision, Plan
 from evenflow.engine.errors import ConfigError
 
-__all__ = ["StepStats", "step_stats"]
+__all__ = ["BalanceTally", "StepStats", "step_stats"]
 
 logger = logging.getLogger("evenflow")
 
@@ -36,6 +36,12 @@ class StepStats:
     each rank read (the source layout); ``cost_after`` what it trains on (the accepted plan).
     ``relative_spread = (max - min) / mean``. ``sent[r]``/``received[r]`` count samples that
     leave/arrive at rank ``r``.
+
+    How to read a step: ``at_bound`` means no layout is meaningfully faster (the plan is
+    within 0.1% of ``lower_bound``); otherwise ``gap`` says how much faster one could at most
+    be. ``outlier_bound`` means one sample costs more than the mean rank, so the spread after
+    planning stays wide however well the step is balanced: judge such a step by its gap, not
+    by its spread.
     """
 
     step: int
@@ -65,6 +71,27 @@ class StepStats:
         return _spread(self.cost_after)
 
     @property
+    def lower_bound(self) -> float:
+        """A max rank cost no layout of this step can go below (``decision.lower_bound``)."""
+        return self.decision.lower_bound
+
+    @property
+    def gap(self) -> float:
+        """How far the accepted plan's max rank cost is above :attr:`lower_bound` (0.05 = 5%)."""
+        return self.decision.gap
+
+    @property
+    def at_bound(self) -> bool:
+        """The plan is within 0.1% of :attr:`lower_bound`: no layout is meaningfully faster."""
+        return self.decision.at_bound
+
+    @property
+    def outlier_bound(self) -> bool:
+        """One sample costs more than the mean rank: its rank sets the step time whatever the
+        layout, so the spread between ranks is the data's, not the planner's."""
+        return self.decision.outlier_bound
+
+    @property
     def predicted_speedup(self) -> float:
         """``max_cost_before / max_cost_after``: the step-time ratio the plan predicts."""
         after = self.max_cost_after
@@ -91,6 +118,12 @@ class StepStats:
             "relative_gain": d.relative_gain,
             "min_balance_gain": d.min_balance_gain,
             "accepted": d.accepted,
+            "lower_bound": d.lower_bound,
+            "mean_cost": d.mean_cost,
+            "largest_cost": d.largest_cost,
+            "gap": d.gap,
+            "at_bound": d.at_bound,
+            "outlier_bound": d.outlier_bound,
             "digest": self.digest,
         }
 
@@ -103,8 +136,7 @@ class StepStats:
         verdict = "accepted" if self.decision.accepted else "kept source"
         return (
             f"step {self.step}: max cost {self.max_cost_before:.4g} -> "
-            f"{self.max_cost_after:.4g} ({change:+.1f}%), spread "
-            f"{self.relative_spread_before:.3f} -> {self.relative_spread_after:.3f}, "
+            f"{self.max_cost_after:.4g} ({change:+.1f}%), {self.decision.verdict()}, "
             f"moved {self.num_moved} samples, {verdict} "
             f"(gain {self.decision.relative_gain:.3f} vs min {self.decision.min_balance_gain:g})"
         )
@@ -155,3 +187,42 @@ def step_stats(
         decision=plan.decision,
         digest=plan.digest,
     )
+
+
+class BalanceTally:
+    """How close to their bounds the delivered steps were (``trace_summary()["balance"]``).
+
+    Counts steps, steps at their bound, outlier-bound steps and steps whose plan stayed more
+    than 5% above its bound, and keeps the mean and largest gap. Plain counters: a loader
+    adds each delivered step once.
+    """
+
+    __slots__ = ("_at_bound", "_gap_sum", "_max_gap", "_outlier", "_steps", "_wide")
+
+    # A plan this far above its bound is counted as "wide": worth a look at the step.
+    WIDE_GAP = 0.05
+
+    def __init__(self) -> None:
+        self._steps = self._at_bound = self._outlier = self._wide = 0
+        self._gap_sum = self._max_gap = 0.0
+
+    def add(self, stats: StepStats) -> None:
+        gap = stats.gap
+        self._steps += 1
+        self._at_bound += stats.at_bound
+        self._outlier += stats.outlier_bound
+        self._wide += gap > self.WIDE_GAP
+        self._gap_sum += gap
+        self._max_gap = max(self._max_gap, gap)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``steps``, ``at_bound``, ``outlier_bound``, ``over_5_percent`` (counts),
+        ``mean_gap`` and ``max_gap`` (fractions: 0.05 = 5% above the bound)."""
+        return {
+            "steps": self._steps,
+            "at_bound": self._at_bound,
+            "outlier_bound": self._outlier,
+            "over_5_percent": self._wide,
+            "mean_gap": self._gap_sum / self._steps if self._steps else 0.0,
+            "max_gap": self._max_gap,
+        }

@@ -26,7 +26,7 @@
 #include <math.h>
 #include <string.h>
 
-#define CORE_VERSION 1
+#define CORE_VERSION 2
 
 typedef struct {
     int64_t *ids;
@@ -1285,10 +1285,15 @@ done:
     return result;
 }
 
+/* Defined in _settle.c. */
+PyObject *evenflow_settle(PyObject *self, PyObject *args);
+
 static PyMethodDef methods[] = {
     {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
     {"refine_search", refine_search, METH_VARARGS,
      "The default algorithm's local search, with or without budgets (see search.py)."},
+    {"settle", evenflow_settle, METH_VARARGS,
+     "Relabel a layout towards its source and bring samples home (see settle.py)."},
     {NULL, NULL, 0, NULL},
 };
 

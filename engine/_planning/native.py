@@ -19,7 +19,7 @@ import numpy as np
 
 from evenflow.engine._planning.problem import BalanceProblem
 
-__all__ = ["CORE_VERSION", "core_identity", "lpt", "refine_search"]
+__all__ = ["CORE_VERSION", "core_identity", "lpt", "refine_search", "settle"]
 
 _MODULE = "evenflow.engine._planning._native"
 
@@ -116,5 +116,36 @@ def refine_search(
         budget,
         good_enough,
         sumsq,
+    )
+    return out_flat, out_sizes
+
+
+def settle(
+    problem: BalanceProblem,
+    flat: np.ndarray,
+    sizes: np.ndarray,
+    home: np.ndarray,
+    *,
+    weights: np.ndarray,
+    limit: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Relabel ``(flat, sizes)`` towards the source bins ``home`` and, when ``limit >= 0``,
+    bring samples home while every rank stays at or below ``limit`` (see ``settle.py``)."""
+    flat = _i64(flat)
+    sizes = _i64(sizes)
+    out_flat = np.empty_like(flat)
+    out_sizes = np.empty_like(sizes)
+    _core.settle(
+        _f64(problem.costs),
+        _i64(problem.tokens),
+        _i64(weights),
+        _i64(home),
+        flat,
+        sizes,
+        out_flat,
+        out_sizes,
+        problem.bins_per_rank,
+        problem.constraints.seq_len,
+        float(limit),
     )
     return out_flat, out_sizes

@@ -25,6 +25,7 @@ import numpy as np
 from evenflow.engine._model import PackingConstraints, SampleKey, SampleMetadata
 from evenflow.engine._plan import BalanceDecision, Plan, PlanLayout
 from evenflow.engine._planning import cost as _cost
+from evenflow.engine._planning.bounds import step_bound
 from evenflow.engine._planning.columns import (
     KeyView,
     MetadataView,
@@ -45,6 +46,7 @@ from evenflow.engine._planning.problem import (
     _first_infeasible_flat,
 )
 from evenflow.engine._planning.registry import resolve_algorithm
+from evenflow.engine._planning.settle import home_bins, settle
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 
@@ -260,7 +262,14 @@ class Planner:
             flat, sizes, dest_rank = source_flat, source_sizes, source_rank
             candidate_final_costs = source_costs
         else:
+            # Free in balance: keep as many samples as possible where they were read.
+            if not (isinstance(candidate, FlatLayout) and candidate.settled):
+                home = home_bins(source_flat, source_sizes, problem.num_samples)
+                flat, sizes = settle(problem, flat, sizes, home, score=self._layout_score(problem))
+                dest_rank = problem._rank_of_flat(flat, sizes)
+                candidate_costs = problem.rank_costs_of(dest_rank)
             candidate_final_costs = candidate_costs
+        bound = step_bound(problem)
         decision = BalanceDecision(
             objective=self.objective_name,
             algorithm=self.algorithm_name,
@@ -269,6 +278,10 @@ class Planner:
             relative_gain=gain,
             min_balance_gain=self.min_balance_gain,
             accepted=accepted,
+            makespan=float(candidate_final_costs.max(initial=0.0)),
+            lower_bound=bound.lower_bound,
+            mean_cost=bound.mean_cost,
+            largest_cost=bound.largest_cost,
         )
         ends = np.cumsum(sizes)
         layout = PlanLayout(
@@ -399,6 +412,12 @@ class Planner:
             )
         self._check_feasible(problem, flat, sizes, keys, metas, who="bins")
         return flat, sizes
+
+    def _layout_score(self, problem: BalanceProblem) -> Any:
+        def score(flat: np.ndarray, sizes: np.ndarray) -> float:
+            return self._score(problem.rank_costs_of(problem._rank_of_flat(flat, sizes)))
+
+        return score
 
     def _score(self, rank_costs: np.ndarray) -> float:
         value = float(self.objective(rank_costs))

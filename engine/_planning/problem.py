@@ -132,11 +132,14 @@ class FlatLayout(Sequence[list[int]]):
     compares equal to the same layout given as lists.
     """
 
-    __slots__ = ("_bins", "flat", "sizes")
+    __slots__ = ("_bins", "flat", "settled", "sizes")
 
-    def __init__(self, flat: np.ndarray, sizes: np.ndarray) -> None:
+    def __init__(self, flat: np.ndarray, sizes: np.ndarray, *, settled: bool = False) -> None:
         self.flat = flat
         self.sizes = sizes
+        # True when the layout already went through ``settle.settle`` against this problem's
+        # source: the planner then does not settle it again.
+        self.settled = settled
         self._bins: list[list[int]] | None = None
 
     @classmethod

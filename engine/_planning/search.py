@@ -57,16 +57,21 @@ def good_enough(problem: BalanceProblem, load: np.ndarray) -> float:
 
 
 def search(
-    problem: BalanceProblem, start: FlatLayout, budget: int
+    problem: BalanceProblem, start: FlatLayout, budget: int, *, stop_at: float | None = None
 ) -> tuple[FlatLayout, np.ndarray]:
-    """Search from ``start`` for at most ``budget`` attempts: the layout and its sample ranks."""
+    """Search from ``start`` for at most ``budget`` attempts: the layout and its sample ranks.
+
+    ``stop_at``: stop once the most loaded rank is at or below this load (default
+    :func:`good_enough`), e.g. the makespan of a layout already found elsewhere.
+    """
     state = search_state(problem, start)
+    stop = good_enough(problem, state["load"]) if stop_at is None else stop_at
     flat, sizes = native.refine_search(
         problem,
         (start.flat, start.sizes),
         state,
         budget=budget,
-        good_enough=good_enough(problem, state["load"]),
+        good_enough=stop,
         sumsq=problem.objective is balance,
     )
     rank_of: np.ndarray = state["bin_of"] // problem.bins_per_rank

@@ -347,10 +347,15 @@ class OracleRefine(RefineAlgorithm):
         return lpt_layout(problem)
 
     def _search(
-        self, problem: BalanceProblem, start: FlatLayout, budget: int
+        self,
+        problem: BalanceProblem,
+        start: FlatLayout,
+        budget: int,
+        *,
+        stop_at: float | None = None,
     ) -> tuple[FlatLayout, np.ndarray]:
         search = OracleSearch(problem, start)
-        layout = search.run(budget)
+        layout = search.run(budget, stop_at=stop_at)
         return layout, search.rank_of()
 
 
@@ -408,13 +413,14 @@ class OracleSearch:
 
     # ------------------------------------------------------------------ driver
 
-    def run(self, budget: int) -> FlatLayout:
-        """Search for at most ``budget`` attempts; the layout reached."""
+    def run(self, budget: int, *, stop_at: float | None = None) -> FlatLayout:
+        """Search for at most ``budget`` attempts (or until the most loaded rank is at or
+        below ``stop_at``, when given); the layout reached."""
         num_ranks = self.p.num_ranks
         # No layout beats the larger of the mean rank load and the costliest sample; within
         # NEAR_OPTIMAL of it the remaining gain is not worth the planning time.
         bound = max(float(self.load.sum()) / num_ranks, float(self.cost.max(initial=0.0)))
-        good_enough = bound * (1.0 + NEAR_OPTIMAL)
+        good_enough = bound * (1.0 + NEAR_OPTIMAL) if stop_at is None else stop_at
         if not self.members:
             self.members = [list(b) for b in self.start.bins]
         stuck = np.zeros(num_ranks, dtype=bool)

@@ -1,0 +1,564 @@
+/*
+ * Settling a plan where its samples already are: part of the planner's compiled core (the
+ * method table lives in _native.c; settle.py is the one Python caller).
+ *
+ * A balanced layout can be relabelled at no cost in balance: ranks are interchangeable, and
+ * so are the bins of a rank. settle() picks the labels that keep the most sample weight
+ * (bytes where the metadata carries them, else one per sample) where it was read, then - when
+ * the objective is the makespan - sends moved samples back to their source rank wherever that
+ * keeps every rank at or below a given load:
+ *
+ * 1. Ranks. Overlap W[r][s] = weight of the samples of new rank r read by rank s. The labels
+ *    maximise sum_r W[r][perm[r]]: an assignment problem, solved exactly (Hungarian method,
+ *    O(R^3) in exact integers) up to EXACT_ASSIGN ranks; above, greedily (overlaps in
+ *    descending order, a pair taken when both ends are free, the rest matched in index order;
+ *    each rank offers its TOP_PAIRS largest overlaps: O(n + R log R)). Either way the
+ *    identity is kept unless the new labels keep strictly more weight, so relabelling never
+ *    increases movement.
+ * 2. Bins within each rank, the same way, against the bins the samples came from.
+ * 3. Homecoming (makespan only, no packing budgets). In passes over the samples in canonical
+ *    order, a sample away from its source rank h goes back when h stays at or below `limit`
+ *    and one of its bins has room (its source bin first, else the fullest that fits), its
+ *    own bin keeping a sample; otherwise it swaps with a sample of h that is itself away
+ *    (one whose source is the sample's current rank first), when both bins keep their
+ *    capacity and both ranks stay at or below `limit`. Each change lowers the number of
+ *    moved samples, so the passes end; at most HOME_PASSES of them run.
+ *
+ * All of it is a pure function of the arrays: ties go to the lowest index everywhere.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define EXACT_ASSIGN 128
+#define TOP_PAIRS 8
+#define HOME_PASSES 4
+/* Swap partners examined per sample, from the cheapest admissible one up: bounds a pass at
+   O(n log n) however wide the ranks' slack. */
+#define SWAP_SCAN 8
+
+typedef struct {
+    int64_t w, row, col;
+} overlap_t;
+
+static int overlap_order(const void *pa, const void *pb) {
+    const overlap_t *a = (const overlap_t *)pa, *b = (const overlap_t *)pb;
+    if (a->w != b->w) return a->w > b->w ? -1 : 1;
+    if (a->row != b->row) return a->row < b->row ? -1 : 1;
+    return (a->col > b->col) - (a->col < b->col);
+}
+
+/* Hungarian method (potentials and shortest augmenting paths) on the g x g matrix `cost`,
+   minimising; row_to_col receives the assignment. Exact integer arithmetic. */
+static int hungarian(const int64_t *cost, Py_ssize_t g, int64_t *row_to_col) {
+    const int64_t inf = INT64_MAX / 4;
+    size_t len = (size_t)(g + 1);
+    int64_t *u = calloc(len, sizeof(int64_t)), *v = calloc(len, sizeof(int64_t));
+    int64_t *p = calloc(len, sizeof(int64_t)), *way = calloc(len, sizeof(int64_t));
+    int64_t *minv = malloc(len * sizeof(int64_t));
+    unsigned char *used = malloc(len);
+    int ok = u && v && p && way && minv && used;
+    for (Py_ssize_t i = 1; ok && i <= g; i++) {
+        p[0] = i;
+        Py_ssize_t j0 = 0;
+        for (Py_ssize_t j = 0; j <= g; j++) {
+            minv[j] = inf;
+            used[j] = 0;
+        }
+        do {
+            used[j0] = 1;
+            int64_t i0 = p[j0], delta = inf;
+            Py_ssize_t j1 = 0;
+            for (Py_ssize_t j = 1; j <= g; j++) {
+                if (used[j]) continue;
+                int64_t cur = cost[(i0 - 1) * g + (j - 1)] - u[i0] - v[j];
+                if (cur < minv[j]) {
+                    minv[j] = cur;
+                    way[j] = j0;
+                }
+                if (minv[j] < delta) {
+                    delta = minv[j];
+                    j1 = j;
+                }
+            }
+            for (Py_ssize_t j = 0; j <= g; j++) {
+                if (used[j]) {
+                    u[p[j]] += delta;
+                    v[j] -= delta;
+                } else {
+                    minv[j] -= delta;
+                }
+            }
+            j0 = j1;
+        } while (p[j0] != 0);
+        do {
+            Py_ssize_t j1 = way[j0];
+            p[j0] = p[j1];
+            j0 = j1;
+        } while (j0);
+    }
+    if (ok) {
+        for (Py_ssize_t j = 1; j <= g; j++) row_to_col[p[j] - 1] = j - 1;
+    }
+    free(u);
+    free(v);
+    free(p);
+    free(way);
+    free(minv);
+    free(used);
+    return ok ? 0 : -1;
+}
+
+/*
+ * Labels for g groups: entry k (of m) puts weight w[k] on (row[k], col[k]); col < 0 adds
+ * nothing. perm[row] = the label the row takes, a permutation of 0..g-1 maximising the
+ * kept weight (see the file comment), the identity unless strictly better. -1 on no memory.
+ */
+static int assign_labels(Py_ssize_t g, Py_ssize_t m, const int64_t *row, const int64_t *col,
+                         const int64_t *w, int64_t *perm) {
+    for (Py_ssize_t r = 0; r < g; r++) perm[r] = r;
+    if (g < 2) return 0;
+    int64_t identity = 0, total = 0;
+    int64_t *proposal = malloc(sizeof(int64_t) * (size_t)g);
+    if (proposal == NULL) return -1;
+    int status = 0;
+    if (g <= EXACT_ASSIGN) {
+        int64_t *dense = calloc((size_t)(g * g), sizeof(int64_t));
+        if (dense == NULL) {
+            free(proposal);
+            return -1;
+        }
+        for (Py_ssize_t k = 0; k < m; k++) {
+            if (col[k] >= 0) dense[row[k] * g + col[k]] += w[k];
+        }
+        for (Py_ssize_t r = 0; r < g; r++) identity += dense[r * g + r];
+        for (Py_ssize_t k = 0; k < g * g; k++) dense[k] = -dense[k];
+        status = hungarian(dense, g, proposal);
+        if (status == 0) {
+            for (Py_ssize_t r = 0; r < g; r++) total -= dense[r * g + proposal[r]];
+        }
+        free(dense);
+    } else {
+        /* Aggregate (row, col) weights: entries bucketed by row, summed per column. */
+        int64_t *start = calloc((size_t)(g + 1), sizeof(int64_t));
+        int64_t *by_row = malloc(sizeof(int64_t) * (size_t)(m > 0 ? m : 1));
+        int64_t *acc = calloc((size_t)g, sizeof(int64_t));
+        int64_t *touched = malloc(sizeof(int64_t) * (size_t)g);
+        overlap_t *pairs = malloc(sizeof(overlap_t) * (size_t)(m > 0 ? m : 1));
+        unsigned char *row_done = calloc((size_t)g, 1), *col_done = calloc((size_t)g, 1);
+        if (!start || !by_row || !acc || !touched || !pairs || !row_done || !col_done) {
+            status = -1;
+        } else {
+            for (Py_ssize_t k = 0; k < m; k++) start[row[k] + 1]++;
+            for (Py_ssize_t r = 0; r < g; r++) start[r + 1] += start[r];
+            for (Py_ssize_t k = 0; k < m; k++) by_row[start[row[k]]++] = k;
+            for (Py_ssize_t r = g; r > 0; r--) start[r] = start[r - 1];
+            start[0] = 0;
+            Py_ssize_t np = 0;
+            for (Py_ssize_t r = 0; r < g; r++) {
+                Py_ssize_t nt = 0;
+                for (int64_t q = start[r]; q < start[r + 1]; q++) {
+                    int64_t k = by_row[q];
+                    if (col[k] < 0) continue;
+                    if (acc[col[k]] == 0) touched[nt++] = col[k];
+                    acc[col[k]] += w[k];
+                }
+                /* Only the row's TOP_PAIRS largest overlaps enter the greedy: a row rarely
+                   takes a column past them, and sorting every pair would cost O(n log n). */
+                Py_ssize_t kept = 0;
+                overlap_t *mine = pairs + np;
+                for (Py_ssize_t t = 0; t < nt; t++) {
+                    int64_t c = touched[t];
+                    overlap_t cand = {acc[c], r, c};
+                    if (c == r) identity += acc[c];
+                    acc[c] = 0;
+                    if (cand.w <= 0) continue;
+                    if (kept == TOP_PAIRS && overlap_order(&cand, &mine[kept - 1]) >= 0) continue;
+                    Py_ssize_t k = kept < TOP_PAIRS ? kept++ : kept - 1;
+                    while (k > 0 && overlap_order(&cand, &mine[k - 1]) < 0) {
+                        mine[k] = mine[k - 1];
+                        k--;
+                    }
+                    mine[k] = cand;
+                }
+                np += kept;
+            }
+            qsort(pairs, (size_t)np, sizeof(overlap_t), overlap_order);
+            for (Py_ssize_t r = 0; r < g; r++) proposal[r] = -1;
+            for (Py_ssize_t k = 0; k < np; k++) {
+                if (row_done[pairs[k].row] || col_done[pairs[k].col]) continue;
+                row_done[pairs[k].row] = col_done[pairs[k].col] = 1;
+                proposal[pairs[k].row] = pairs[k].col;
+                total += pairs[k].w;
+            }
+            Py_ssize_t next = 0;
+            for (Py_ssize_t r = 0; r < g; r++) {
+                if (proposal[r] >= 0) continue;
+                while (col_done[next]) next++;
+                col_done[next] = 1;
+                proposal[r] = next;
+            }
+        }
+        free(start);
+        free(by_row);
+        free(acc);
+        free(touched);
+        free(pairs);
+        free(row_done);
+        free(col_done);
+    }
+    if (status == 0 && total > identity) {
+        memcpy(perm, proposal, sizeof(int64_t) * (size_t)g);
+        status = 1;
+    }
+    free(proposal);
+    return status;
+}
+
+typedef struct {
+    int64_t *v;
+    Py_ssize_t n, cap;
+} list_t;
+
+static int list_push(list_t *l, int64_t value) {
+    if (l->n == l->cap) {
+        Py_ssize_t cap = l->cap ? 2 * l->cap : 8;
+        int64_t *v = (int64_t *)realloc(l->v, sizeof(int64_t) * (size_t)cap);
+        if (v == NULL) return -1;
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->n++] = value;
+    return 0;
+}
+
+static void list_remove(list_t *l, int64_t value) {
+    for (Py_ssize_t k = 0; k < l->n; k++) {
+        if (l->v[k] == value) {
+            memmove(l->v + k, l->v + k + 1, sizeof(int64_t) * (size_t)(l->n - k - 1));
+            l->n--;
+            return;
+        }
+    }
+}
+
+typedef struct {
+    Py_ssize_t n, per;
+    int64_t seq_len;
+    const double *cost;
+    const int64_t *tok, *home, *home_rank;
+    list_t *members;
+    int64_t *bin_of, *bin_tok;
+    int64_t *rank_of;  /* bin_of / per, kept so the scans divide nothing */
+    int64_t *version;  /* per rank: bumped whenever the rank gains or loses a sample */
+    int64_t *tried;    /* per sample: version[p] + version[h] when it last found nothing */
+    double *load;
+} home_t;
+
+static int home_relocate(home_t *s, int64_t i, int64_t dst) {
+    int64_t src = s->bin_of[i];
+    if (list_push(&s->members[dst], i) < 0) return -1;
+    list_remove(&s->members[src], i);
+    s->bin_of[i] = dst;
+    s->rank_of[i] = dst / s->per;
+    s->version[src / s->per]++;
+    s->version[dst / s->per]++;
+    s->bin_tok[src] -= s->tok[i];
+    s->bin_tok[dst] += s->tok[i];
+    s->load[src / s->per] -= s->cost[i];
+    s->load[dst / s->per] += s->cost[i];
+    return 0;
+}
+
+/* A sample in the cost index: (cost, index), sorted once per settle. */
+typedef struct {
+    double cost;
+    int64_t id;
+} indexed_t;
+
+static int indexed_order(const void *pa, const void *pb) {
+    const indexed_t *a = (const indexed_t *)pa, *b = (const indexed_t *)pb;
+    if (a->cost != b->cost) return a->cost < b->cost ? -1 : 1;
+    return (a->id > b->id) - (a->id < b->id);
+}
+
+/* One homecoming pass (see the file comment); the number of changes, or -1 on no memory.
+   A swap partner's cost must lie in [ci - slack of h, ci + slack of p]: it is found by
+   binary search in h's part of a cost index, rebuilt when the pass starts from the global
+   cost order `by_cost` by a stable counting sort on each sample's current rank (O(n)).
+   Samples that moved during the pass are re-checked before use (an entry whose sample left
+   h is skipped), so the index only ever hides candidates until the next pass. */
+static Py_ssize_t home_pass(home_t *s, double limit, const indexed_t *by_cost, indexed_t *index,
+                            int64_t *rank_start, Py_ssize_t ranks) {
+    Py_ssize_t per = s->per, changes = 0;
+    int64_t seq_len = s->seq_len;
+    for (Py_ssize_t r = 0; r <= ranks; r++) rank_start[r] = 0;
+    for (Py_ssize_t i = 0; i < s->n; i++) rank_start[s->rank_of[i] + 1]++;
+    for (Py_ssize_t r = 0; r < ranks; r++) rank_start[r + 1] += rank_start[r];
+    for (Py_ssize_t k = 0; k < s->n; k++) {
+        int64_t r = s->rank_of[by_cost[k].id];
+        index[rank_start[r]++] = by_cost[k];
+    }
+    for (Py_ssize_t r = ranks; r > 0; r--) rank_start[r] = rank_start[r - 1];
+    rank_start[0] = 0;
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        int64_t x = s->bin_of[i], p = s->rank_of[i], hb = s->home[i], h = s->home_rank[i];
+        int64_t ti = s->tok[i];
+        double ci = s->cost[i];
+        if (p == h || ti > seq_len) continue;
+        /* Nothing worked last time and neither rank changed since: nothing will now. */
+        if (s->tried[i] == s->version[p] + s->version[h]) continue;
+        if (s->members[x].n >= 2 && s->load[h] + ci <= limit) {
+            int64_t y = -1;
+            if (s->bin_tok[hb] + ti <= seq_len) {
+                y = hb;
+            } else {
+                for (int64_t b = h * per; b < (h + 1) * per; b++) {
+                    if (s->bin_tok[b] + ti <= seq_len && (y < 0 || s->bin_tok[b] > s->bin_tok[y]))
+                        y = b;
+                }
+            }
+            if (y >= 0) {
+                if (home_relocate(s, i, y) < 0) return -1;
+                changes++;
+                continue;
+            }
+        }
+        /* A swap with an away sample of h: one that belongs on p first. */
+        double lo = ci - (limit - s->load[h]), hi = ci + (limit - s->load[p]);
+        Py_ssize_t a = rank_start[h], z = rank_start[h + 1];
+        while (a < z) {
+            Py_ssize_t mid = a + (z - a) / 2;
+            if (index[mid].cost < lo) a = mid + 1;
+            else z = mid;
+        }
+        int64_t best = -1;
+        Py_ssize_t last = a + SWAP_SCAN < rank_start[h + 1] ? a + SWAP_SCAN : rank_start[h + 1];
+        for (Py_ssize_t k = a; k < last && index[k].cost <= hi; k++) {
+            int64_t j = index[k].id;
+            int64_t hj = s->home_rank[j];
+            if (s->rank_of[j] != h || hj == h || s->tok[j] > seq_len) continue;
+            int64_t yb = s->bin_of[j];
+            if (s->bin_tok[x] - ti + s->tok[j] > seq_len) continue;
+            if (s->bin_tok[yb] - s->tok[j] + ti > seq_len) continue;
+            if (s->load[h] - s->cost[j] + ci > limit) continue;
+            if (s->load[p] - ci + s->cost[j] > limit) continue;
+            if (best < 0) best = j;
+            if (hj == p) {
+                best = j;
+                break;
+            }
+        }
+        if (best >= 0) {
+            int64_t yb = s->bin_of[best];
+            if (home_relocate(s, i, yb) < 0 || home_relocate(s, best, x) < 0) return -1;
+            changes++;
+        } else {
+            s->tried[i] = s->version[p] + s->version[h];
+        }
+    }
+    return changes;
+}
+
+/*
+ * settle(cost, tok, weight, home, flat, sizes, out_flat, out_sizes, per_rank, seq_len,
+ *        limit) -> number of homecoming changes
+ *
+ * home[i] is the source bin of sample i (rank-major), weight[i] >= 0 its movement weight.
+ * (flat, sizes) is the layout to settle; the settled one goes to (out_flat, out_sizes),
+ * each bin's samples in their order (a sample brought home joins the end of its bin).
+ * limit < 0 skips homecoming (relabelling only).
+ */
+PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer cost_b, tok_b, w_b, home_b, flat_b, sizes_b, of_b, os_b;
+    Py_ssize_t per, seq_len;
+    double limit;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*nnd", &cost_b, &tok_b, &w_b, &home_b, &flat_b,
+                          &sizes_b, &of_b, &os_b, &per, &seq_len, &limit)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);
+    list_t *members = NULL;
+    int64_t *block = NULL;
+    Py_ssize_t changes = 0;
+    int failed = 0;
+    if (per < 1 || nb % per != 0 || tok_b.len != n * 8 || w_b.len != n * 8 ||
+        home_b.len != n * 8 || flat_b.len != n * 8 || of_b.len != n * 8 ||
+        os_b.len != nb * 8) {
+        PyErr_SetString(PyExc_ValueError, "settle: inconsistent array sizes");
+        goto done;
+    }
+    Py_ssize_t ranks = nb / per;
+    const double *cost = (const double *)cost_b.buf;
+    const int64_t *tok = (const int64_t *)tok_b.buf, *w = (const int64_t *)w_b.buf;
+    const int64_t *home = (const int64_t *)home_b.buf, *flat = (const int64_t *)flat_b.buf;
+    const int64_t *sizes = (const int64_t *)sizes_b.buf;
+    /* Indices are trusted below: flat must list every sample once, as sizes say. */
+    {
+        Py_ssize_t at = 0;
+        unsigned char *seen = calloc((size_t)(n > 0 ? n : 1), 1);
+        if (seen == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t b = 0; b < nb && !failed; b++) {
+            if (sizes[b] < 0 || at + sizes[b] > n) failed = 1;
+            for (int64_t k = 0; !failed && k < sizes[b]; k++, at++) {
+                int64_t i = flat[at];
+                if (i < 0 || i >= n || seen[i] || home[i] < 0 || home[i] >= nb || w[i] < 0)
+                    failed = 1;
+                else
+                    seen[i] = 1;
+            }
+        }
+        free(seen);
+        if (failed || at != n) {
+            PyErr_SetString(PyExc_ValueError,
+                            "settle: flat must list every sample once, as sizes say, with "
+                            "home bins in range and weights >= 0");
+            goto done;
+        }
+    }
+    /* rows, cols (n each), bin_of (n), bin start (nb + 1), rank perm (ranks), bin perm
+       (per), position of each old bin (nb), bin tokens (nb), loads (ranks). */
+    block = malloc(sizeof(int64_t) * (size_t)(3 * n + 3 * nb + 2 * ranks + per + 2));
+    members = calloc((size_t)nb, sizeof(list_t));
+    if (block == NULL || members == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *rows = block, *cols = rows + n, *bin_of = cols + n, *first = bin_of + n;
+    int64_t *rank_perm = first + nb + 1, *bin_perm = rank_perm + ranks, *where = bin_perm + per;
+    int64_t *bin_tok = where + nb;
+    double *load = (double *)(bin_tok + nb);
+    Py_BEGIN_ALLOW_THREADS
+    first[0] = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) first[b + 1] = first[b] + sizes[b];
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        for (int64_t k = first[b]; k < first[b + 1]; k++) bin_of[flat[k]] = b;
+    }
+    /* 1. Ranks. */
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t i = flat[k];
+        rows[k] = bin_of[i] / per;
+        cols[k] = home[i] / per;
+    }
+    /* Weights in flat order (then, per rank, in that rank's order). */
+    {
+        int64_t *wflat = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+        if (wflat == NULL) {
+            failed = 1;
+        } else {
+            for (Py_ssize_t k = 0; k < n; k++) wflat[k] = w[flat[k]];
+            if (assign_labels(ranks, n, rows, cols, wflat, rank_perm) < 0) failed = 1;
+            /* 2. Bins within each rank, against the bins of the rank it now stands for. */
+            for (Py_ssize_t r = 0; r < ranks && !failed; r++) {
+                int64_t q = rank_perm[r];
+                Py_ssize_t m = 0;
+                for (int64_t k = first[r * per]; k < first[(r + 1) * per]; k++) {
+                    int64_t i = flat[k];
+                    rows[m] = bin_of[i] - r * per;
+                    cols[m] = home[i] / per == q ? home[i] - q * per : -1;
+                    wflat[m] = w[i];
+                    m++;
+                }
+                if (assign_labels(per, m, rows, cols, wflat, bin_perm) < 0) failed = 1;
+                for (Py_ssize_t p = 0; p < per; p++) where[r * per + p] = q * per + bin_perm[p];
+            }
+            free(wflat);
+        }
+    }
+    if (!failed) {
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            int64_t dst = where[b];
+            bin_tok[dst] = 0;
+            for (int64_t k = first[b]; k < first[b + 1]; k++) {
+                if (list_push(&members[dst], flat[k]) < 0) failed = 1;
+                bin_tok[dst] += tok[flat[k]];
+            }
+        }
+    }
+    /* 3. Homecoming. */
+    if (!failed && limit >= 0.0) {
+        for (Py_ssize_t r = 0; r < ranks; r++) load[r] = 0.0;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            for (Py_ssize_t k = 0; k < members[b].n; k++) {
+                bin_of[members[b].v[k]] = b;
+                load[b / per] += cost[members[b].v[k]];
+            }
+        }
+        /* rows and cols are free again: the source and current rank of every sample. */
+        for (Py_ssize_t i = 0; i < n; i++) {
+            rows[i] = home[i] / per;
+            cols[i] = bin_of[i] / per;
+        }
+        int64_t *version = calloc((size_t)ranks, sizeof(int64_t));
+        int64_t *tried = malloc(sizeof(int64_t) * (size_t)(n > 0 ? n : 1));
+        if (tried != NULL) {
+            for (Py_ssize_t i = 0; i < n; i++) tried[i] = -1;
+        }
+        home_t s = {n,    per,  (int64_t)seq_len, cost,    tok,     home,  rows,
+                    members, bin_of, bin_tok,     cols, version, tried, load};
+        indexed_t *index = malloc(sizeof(indexed_t) * (size_t)(n > 0 ? n : 1));
+        indexed_t *by_cost = malloc(sizeof(indexed_t) * (size_t)(n > 0 ? n : 1));
+        int64_t *rank_start = malloc(sizeof(int64_t) * (size_t)(ranks + 2));
+        if (by_cost != NULL) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                by_cost[i].cost = cost[i];
+                by_cost[i].id = i;
+            }
+            qsort(by_cost, (size_t)n, sizeof(indexed_t), indexed_order);
+        }
+        for (int pass = 0; pass < HOME_PASSES; pass++) {
+            Py_ssize_t done_now = index && by_cost && rank_start && version && tried
+                                      ? home_pass(&s, limit, by_cost, index, rank_start, ranks)
+                                      : -1;
+            if (done_now < 0) {
+                failed = 1;
+                break;
+            }
+            changes += done_now;
+            if (done_now == 0) break;
+        }
+        free(index);
+        free(by_cost);
+        free(rank_start);
+        free(version);
+        free(tried);
+    }
+    if (!failed) {
+        int64_t *out_flat = (int64_t *)of_b.buf, *out_sizes = (int64_t *)os_b.buf;
+        Py_ssize_t at = 0;
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            out_sizes[b] = members[b].n;
+            memcpy(out_flat + at, members[b].v, sizeof(int64_t) * (size_t)members[b].n);
+            at += members[b].n;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    result = PyLong_FromSsize_t(changes);
+
+done:
+    if (members != NULL) {
+        for (Py_ssize_t b = 0; b < nb; b++) free(members[b].v);
+    }
+    free(members);
+    free(block);
+    PyBuffer_Release(&cost_b);
+    PyBuffer_Release(&tok_b);
+    PyBuffer_Release(&w_b);
+    PyBuffer_Release(&home_b);
+    PyBuffer_Release(&flat_b);
+    PyBuffer_Release(&sizes_b);
+    PyBuffer_Release(&of_b);
+    PyBuffer_Release(&os_b);
+    return result;
+}

@@ -1,0 +1,202 @@
+"""Lower bounds on a step's makespan: how far a plan can be from the best possible layout.
+
+Every plan carries :class:`StepBound`: the mean rank cost, the costliest sample, and the
+largest of several bounds that no feasible layout can beat. A plan's ``gap`` is its makespan
+over that bound, minus one; ``0`` proves the plan optimal. A step is *outlier-bound* when one
+sample costs more than the mean rank cost: its rank is slower than average whatever the
+planner does, so a large spread between ranks is then the data's, not the planner's.
+
+The bounds, and why none exceeds the optimum (the makespan of the best feasible layout). Let
+``R`` ranks hold ``B`` bins each, costs be non-negative and a rank's cost the sum of its
+samples' costs (additive models; see the last point otherwise).
+
+1. **Mean** ``sum(c) / R``: the ranks' costs add up to the total, so the largest is at least
+   their mean.
+2. **Largest sample** ``max(c)``: the rank holding it costs at least that much.
+3. **Pigeonhole** ``max over k >= 1`` of the sum of the ``k + 1`` cheapest among the
+   ``k * R + 1`` costliest samples: ``k * R + 1`` samples on ``R`` ranks put ``k + 1`` of them
+   on one rank, which costs at least the ``k + 1`` cheapest of them.
+4. **Non-empty bins and capacity**, for each of the few costliest samples ``i`` (any subset of
+   samples gives a valid bound, so bounding only some of them is safe): the rank ``r`` that
+   holds ``i`` has ``B`` non-empty bins, so it holds at least ``B - 1`` other samples, which
+   cost at least the ``B - 1`` cheapest others. And the other ``R - 1`` ranks hold at most
+   ``(R - 1) * B * seq_len`` tokens, so ``r`` holds at least
+   ``need = total_tokens - (R - 1) * B * seq_len`` tokens, i.e. others worth at least
+   ``need - tokens[i]``. The cheapest set of other samples with that many tokens costs at
+   least the optimum of the *fractional* covering problem (take samples in ascending order of
+   cost per token, the last one in part): the integral choice is one of the fractional
+   problem's feasible points. So ``load[r] >= c[i] + max(cheapest B - 1, fractional cover)``.
+   The capacity half needs every bin to fit ``seq_len``; a step with an oversized sample
+   (allowed alone in a bin by ``oversized_policy="single"``) skips it.
+5. Cost models whose rank cost is not a sum (``ComponentCost(reduce="max")``) get 1 and 2
+   only, in their own units: the mean is the cost of all samples on one rank divided by
+   ``R`` (each component's sum is spread over ``R`` ranks), and a sample's scalar cost is what
+   it alone costs its rank (components only add up, so the rank costs at least that).
+
+Costs enter in the planner's canonical order and every sum is a numpy reduction over arrays
+in that order, so the bound is a pure function of the step like the plan itself. Bounds 3 and
+4 take differences of prefix sums, which may round up by a few units in the last place; they
+are scaled down by :data:`_ROUNDING` so that rounding can never lift them above the optimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from evenflow.engine._planning.problem import BalanceProblem
+
+__all__ = ["StepBound", "step_bound"]
+
+# Bound 4 is computed for this many of the costliest samples (each costs O(num_samples)).
+_CAPACITY_CANDIDATES = 4
+# Relative safety margin for bounds computed from differences of prefix sums.
+_ROUNDING = 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class StepBound:
+    """What no layout of the step can beat, and why (see the module docstring).
+
+    ``lower_bound``: the largest of the proven bounds (cost-model units). ``mean_cost``: the
+    mean rank cost (total / ranks). ``largest_cost``: the costliest sample. ``outlier_bound``:
+    ``largest_cost > mean_cost``.
+    """
+
+    lower_bound: float
+    mean_cost: float
+    largest_cost: float
+
+    @property
+    def outlier_bound(self) -> bool:
+        return self.largest_cost > self.mean_cost
+
+
+def step_bound(problem: BalanceProblem) -> StepBound:
+    """The lower bounds of ``problem``'s makespan (see the module docstring)."""
+    costs = np.asarray(problem.costs, dtype=np.float64)
+    num_ranks = problem.num_ranks
+    if costs.size == 0:
+        return StepBound(0.0, 0.0, 0.0)
+    largest = float(costs.max())
+    if problem.rank_cost_fn is not None:
+        everything = problem.rank_costs_of(np.zeros(costs.size, dtype=np.int64))
+        mean = float(everything[0]) / num_ranks
+        return StepBound(max(mean, largest), mean, largest)
+    mean = float(costs.sum()) / num_ranks
+    derived = max(_pigeonhole(costs, num_ranks), _capacity(problem, costs)) * (1.0 - _ROUNDING)
+    bound = max(mean, largest, derived)
+    return StepBound(bound, mean, largest)
+
+
+def _pigeonhole(costs: np.ndarray, num_ranks: int) -> float:
+    """Bound 3: the ``k + 1`` cheapest of the ``k * R + 1`` costliest, best ``k``."""
+    n = costs.size
+    top_k = (n - 1) // num_ranks
+    if top_k < 1:
+        return 0.0
+    ordered = np.sort(costs)[::-1]
+    prefix = np.concatenate([[0.0], np.cumsum(ordered)])
+    k = np.arange(1, top_k + 1, dtype=np.int64)
+    last = k * num_ranks  # index of the (k R + 1)-th costliest
+    sums = prefix[last + 1] - prefix[last - k]
+    return float(sums.max())
+
+
+def _capacity(problem: BalanceProblem, costs: np.ndarray) -> float:
+    """Bound 4 for the few costliest samples (0 when it does not apply)."""
+    n = costs.size
+    per = problem.bins_per_rank
+    seq_len = problem.constraints.seq_len
+    tokens = np.asarray(problem.tokens, dtype=np.int64)
+    others_needed = per - 1
+    capacity_applies = bool(tokens.max() <= seq_len) and problem.num_ranks > 1
+    need = int(tokens.sum()) - (problem.num_ranks - 1) * per * seq_len
+    if others_needed == 0 and (not capacity_applies or need <= 0):
+        return 0.0
+    count = min(_CAPACITY_CANDIDATES, n)
+    candidates = _extreme(costs, count, largest=True)
+    cheapest = _extreme(costs, min(others_needed + 1, n), largest=False)
+    cover_needed = capacity_applies and need - int(tokens[candidates].min()) > 0
+    if cover_needed:
+        density_order = np.lexsort((np.arange(n), costs / tokens))
+        dens_tokens = np.concatenate([[0], np.cumsum(tokens[density_order])])
+        dens_costs = np.concatenate([[0.0], np.cumsum(costs[density_order])])
+        position = np.empty(n, dtype=np.int64)
+        position[density_order] = np.arange(n, dtype=np.int64)
+    best = 0.0
+    for i in candidates.tolist():
+        count_part = 0.0
+        if others_needed:
+            picked = cheapest[cheapest != i][:others_needed]
+            count_part = float(costs[picked].sum()) if picked.size == others_needed else 0.0
+        cover_part = 0.0
+        want = need - int(tokens[i])
+        if cover_needed and want > 0:
+            cover_part = _fractional_cover(
+                want,
+                skip=int(position[i]),
+                skip_tokens=int(tokens[i]),
+                skip_cost=float(costs[i]),
+                prefix_tokens=dens_tokens,
+                prefix_costs=dens_costs,
+            )
+        best = max(best, float(costs[i]) + max(count_part, cover_part))
+    return best
+
+
+def _extreme(costs: np.ndarray, count: int, *, largest: bool) -> np.ndarray:
+    """Indices of the ``count`` costliest (or cheapest) samples, ties to the lowest index,
+    in that order: O(n) selection, then a sort of the few selected."""
+    n = costs.size
+    key = -costs if largest else costs
+    if count < n:
+        level = np.partition(key, count - 1)[count - 1]
+        pool = np.flatnonzero(key <= level)
+    else:
+        pool = np.arange(n)
+    picked = pool[np.lexsort((pool, key[pool]))]
+    return picked[:count]
+
+
+def _fractional_cover(
+    want: int,
+    *,
+    skip: int,
+    skip_tokens: int,
+    skip_cost: float,
+    prefix_tokens: np.ndarray,
+    prefix_costs: np.ndarray,
+) -> float:
+    """Least cost of ``want`` tokens taken fractionally by ascending cost per token, without
+    the sample at position ``skip`` of that order; infinite demand is impossible (the step
+    holds the tokens), so the samples always suffice."""
+
+    def prefix_without(j: int) -> tuple[int, float]:
+        # Tokens and cost of the first j samples of the order, the skipped one left out.
+        t, c = int(prefix_tokens[j]), float(prefix_costs[j])
+        if j > skip:
+            t -= skip_tokens
+            c -= skip_cost
+        return t, c
+
+    # Smallest j whose prefix (without the skipped sample) reaches want tokens.
+    lo, hi = 0, prefix_tokens.size - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if prefix_without(mid)[0] >= want:
+            hi = mid
+        else:
+            lo = mid + 1
+    j = lo
+    if j == 0:
+        return 0.0
+    t_before, c_before = prefix_without(j - 1)
+    # Sample j-1 of the order (never the skipped one: its prefix step adds no tokens, so the
+    # search never stops on it) supplies the rest, at its own cost per token.
+    t_last = int(prefix_tokens[j] - prefix_tokens[j - 1])
+    c_last = float(prefix_costs[j] - prefix_costs[j - 1])
+    if t_last == 0:
+        return c_before
+    return c_before + c_last * (want - t_before) / t_last
