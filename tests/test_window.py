@@ -6,6 +6,7 @@ window in fresh Gloo processes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -430,3 +431,52 @@ def test_a_window_longer_than_the_device_bound_still_flows(monkeypatch: pytest.M
     )
     assert hung == [False] and errors == [None]
     assert sorted(results[0]) == list(range(steps))
+
+
+# -- outlier-bound steps --------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("window", [1, 4])
+async def test_outlier_bound_steps_are_flagged_and_their_cost_reported(
+    window: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    from evenflow.engine._model import SampleMetadata
+    from evenflow.engine._planning.cost import QuadraticCost
+
+    cost = QuadraticCost(linear=0.0)  # attention only: the long samples dominate
+    loaders = _loaders(2, window, steps=8, cost_model=cost)
+    with caplog.at_level(logging.INFO, logger="evenflow"):
+        runs = await _run(loaders)
+    lengths = {
+        (r, s, i): len(sample["input_ids"])
+        for r in range(2)
+        for s in range(8)
+        for i, sample in enumerate(x for b in step_bins(r, s) for x in b)
+    }
+    outliers, excess, planned = 0, 0.0, 0.0
+    for step, stats in enumerate(runs[0]["stats"]):
+        # The step's samples as delivered, from both ranks' batches.
+        ids = [tuple(x) for run in runs for b in run["batches"][step] for x in b]
+        costs = [cost(SampleMetadata(tokens=lengths[k])) for k in ids]
+        mean, largest = sum(costs) / 2, max(costs)
+        assert stats.outlier_bound == (largest > mean)
+        want = max(0.0, min(largest, stats.max_cost_after) - mean) if largest > mean else 0.0
+        assert stats.outlier_excess == pytest.approx(want)
+        assert 0.0 <= stats.outlier_share <= 1.0
+        outliers += stats.outlier_bound
+        excess += want
+        planned += stats.max_cost_after
+    assert outliers > 0  # one rank in four reads a long sample: steps are outlier-bound
+    balance = loaders[0].trace_summary()["balance"]
+    assert balance["outlier_fraction"] == pytest.approx(outliers / 8)
+    assert balance["outlier_cost_fraction"] == pytest.approx(excess / planned)
+    summary = runs[0]["pass"]
+    assert summary.num_outlier_bound_steps == outliers
+    assert summary.outlier_cost_fraction == pytest.approx(excess / planned)
+    assert f"{outliers} steps outlier-bound" in summary.log_line()
+    flagged = next(s for s in runs[0]["stats"] if s.outlier_bound)
+    assert "outlier-bound" in flagged.log_line()
+    assert f"explaining {flagged.outlier_share:.0%} of the cost above balance" in (
+        flagged.log_line()
+    )

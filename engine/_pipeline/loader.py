@@ -157,6 +157,7 @@ class BalancedLoader(LoaderFacade):
         self._delivered = 0  # steps delivered in this pass, counting restored ones
         self._last_stats: StepStats | None = None
         self._balance = BalanceTally()
+        self._pass_balance = BalanceTally()  # the steps of the current pass only
         self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
         self._source_state: Any = None
@@ -338,6 +339,7 @@ class BalancedLoader(LoaderFacade):
         self._last_stats = None
         self._last_loss_tokens = None
         self._pass_samples = self._pass_tokens = 0
+        self._pass_balance = BalanceTally()
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
@@ -476,6 +478,8 @@ class BalancedLoader(LoaderFacade):
             uneven=None if final is None else final.uneven,
             source=report if isinstance(report, SourceReport) else None,
             num_discarded_samples=pipeline.num_discarded_samples,
+            num_outlier_bound_steps=self._pass_balance.to_dict()["outlier_bound"],
+            outlier_cost_fraction=self._pass_balance.outlier_cost_fraction,
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -523,6 +527,7 @@ class BalancedLoader(LoaderFacade):
         stats = state.stats
         if stats is not None:
             self._balance.add(stats)
+            self._pass_balance.add(stats)
             if (
                 self._config.log_stats
                 and self._transport.rank == 0

@@ -133,7 +133,11 @@ class PassSummary:
     the remainder it leaves unread, by design), when it has one. ``num_discarded_samples``:
     samples this rank would have trained in steps that were prepared (read, planned, packed)
     but not delivered because ``set_epoch()`` ended the pass early — up to
-    ``balance_window + prefetch_depth`` steps' worth.
+    ``balance_window + prefetch_depth`` steps' worth. ``num_outlier_bound_steps``: the steps
+    delivered in this process whose costliest sample cost more than their mean rank;
+    ``outlier_cost_fraction``: the share of the pass's planned cost (the sum over its steps
+    of the slowest rank's cost) that those outliers add above perfectly balanced steps — what
+    no per-step plan can remove, and what ``balance_window`` works on.
     """
 
     epoch: int
@@ -144,6 +148,8 @@ class PassSummary:
     uneven: UnevenEnd | None = None
     source: SourceReport | None = None
     num_discarded_samples: int = 0
+    num_outlier_bound_steps: int = 0
+    outlier_cost_fraction: float = 0.0
 
     @property
     def num_dropped_samples(self) -> int:
@@ -161,6 +167,11 @@ class PassSummary:
             line += (
                 f"; {self.uneven.num_unread_samples} samples left unread at the uneven end "
                 f"(step {self.uneven.step})"
+            )
+        if self.num_outlier_bound_steps:
+            line += (
+                f"; {self.num_outlier_bound_steps} steps outlier-bound, their outliers adding "
+                f"{self.outlier_cost_fraction:.1%} of the planned cost"
             )
         if self.num_discarded_samples:
             line += (
@@ -184,6 +195,8 @@ class PassSummary:
             "tokens": self.tokens,
             "num_dropped_samples": self.num_dropped_samples,
             "num_discarded_samples": self.num_discarded_samples,
+            "num_outlier_bound_steps": self.num_outlier_bound_steps,
+            "outlier_cost_fraction": self.outlier_cost_fraction,
             "uneven": None if self.uneven is None else self.uneven.to_dict(),
             "source": None
             if source is None
