@@ -8,7 +8,9 @@ rank simulates its training step from the plan (sleep proportional to the cost t
 it, then a small all-reduce, so every step waits for the slowest rank), with one sleep scale
 for both configurations. Figures per configuration: steps per second over the timed steps
 (after one window of warm-up), the median step time, the data stall, and the planned cost
-(the sum over timed steps of the slowest rank's planned cost). The ratio of measured
+(the sum over timed steps of the slowest rank's planned cost), and the loader's own outlier
+figures (the share of steps that are outlier-bound, and of the planned cost their outliers
+add above perfectly balanced steps). The ratio of measured
 throughputs is printed beside the ratio the plans predict; the target asks the pipeline to
 deliver at least 90% of the predicted gain (or, where the plans predict none, to cost no
 more than 10%).
@@ -104,7 +106,8 @@ def _run(window: int, rank: int, spec: dict[str, Any], k: float) -> dict[str, An
             _train(k * stats.cost_after[rank])
             steps.append({"wait_s": t1 - t0, "end_s": time.perf_counter()})
             steps[-1]["step_s"] = steps[-1]["end_s"] - t0
-    return {"steps": steps, "max_cost": max_cost}
+        balance = loader.trace_summary()["balance"]
+    return {"steps": steps, "max_cost": max_cost, "balance": balance}
 
 
 def run_window_cases(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
@@ -133,6 +136,9 @@ def summarize_window(window: int, ranks: list[dict[str, Any]]) -> dict[str, Any]
             "step_time_s": statistics.median(step_s),
             "data_stall_fraction": wait / busy if busy else 0.0,
             "planned_cost": sum(per_rank[0]["max_cost"][s] for s in timed),
+            # Over every step of the case (the loader's own tally):
+            "outlier_fraction": per_rank[0]["balance"]["outlier_fraction"],
+            "outlier_cost_fraction": per_rank[0]["balance"]["outlier_cost_fraction"],
         }
     one, many = out["cases"]["1"], out["cases"][str(window)]
     out["measured_ratio"] = many["steps_per_s"] / one["steps_per_s"] if one["steps_per_s"] else 0
@@ -165,7 +171,10 @@ def print_window(worlds: list[dict[str, Any]], config: dict[str, Any]) -> None:
         f"{config['window_steps']} steps per case, sync iteration, W=1 and W={w} one after "
         "the other in the same processes; timed after the first window"
     )
-    print(f"  {'ranks':<7}{'W':>3}{'steps/s':>9}{'step ms':>9}{'stall':>8}{'planned cost':>14}")
+    print(
+        f"  {'ranks':<7}{'W':>3}{'steps/s':>9}{'step ms':>9}{'stall':>8}{'planned cost':>14}"
+        f"{'outlier steps':>15}{'outlier cost':>14}"
+    )
     for world in worlds:
         summary = world["window"]
         for key in ("1", str(w)):
@@ -173,7 +182,8 @@ def print_window(worlds: list[dict[str, Any]], config: dict[str, Any]) -> None:
             print(
                 f"  {world['num_ranks']:<7}{key:>3}{c['steps_per_s']:>9.2f}"
                 f"{c['step_time_s'] * 1e3:>9.2f}{c['data_stall_fraction'] * 100:>7.2f}%"
-                f"{c['planned_cost']:>14.4g}"
+                f"{c['planned_cost']:>14.4g}{c['outlier_fraction'] * 100:>14.1f}%"
+                f"{c['outlier_cost_fraction'] * 100:>13.1f}%"
             )
         print(
             f"  {'':<7}W={w} vs W=1: measured {summary['measured_ratio']:.3f}x, planned "
