@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     )
     from evenflow.transports._local import LocalTransport
     from evenflow.transports._registry import create_transport, register_transport
+    from evenflow.transports._sized import Prepared, prepare
     from evenflow.transports._wire import (
         DEFAULT_MAX_FRAME_BYTES,
         decode,
@@ -40,6 +41,8 @@ _LAZY: dict[str, str] = {
     "InProcessTransport": "evenflow.transports._inprocess",
     "GlooTransport": "evenflow.transports._gloo",
     "DeviceTransport": "evenflow.transports._device",
+    "Prepared": "evenflow.transports._sized",
+    "prepare": "evenflow.transports._sized",
     "create_transport": "evenflow.transports._registry",
     "register_transport": "evenflow.transports._registry",
 }
@@ -54,6 +57,7 @@ __all__ = [
     "InlineLauncher",
     "Launcher",
     "LocalTransport",
+    "Prepared",
     "Transport",
     "create_transport",
     "decode",
@@ -61,6 +65,7 @@ __all__ = [
     "encode",
     "encode_many",
     "errors",
+    "prepare",
     "register_transport",
 ]
 

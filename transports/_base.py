@@ -11,7 +11,9 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from evenflow.transports.errors import RouteError, TransportClosedError
+from evenflow.transports._sized import SizedIncoming, SizedOutgoing, check_sized
+from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES
+from evenflow.transports.errors import RouteError, TransportClosedError, TransportError
 
 __all__ = ["InlineLauncher", "Launcher", "Transport"]
 
@@ -68,6 +70,14 @@ class Transport(abc.ABC):
       ``outgoing`` maps a target group rank to a list of ``(key, payload)``; a rank may send
       to itself, lists may be empty or missing, sizes may be uneven. Keys are plain encodable
       values (int tuples in the engine), unique per receiver.
+    * ``exchange_sized(outgoing, incoming)`` (optional) → like ``exchange``, for callers that
+      know every byte count in advance: ``outgoing`` maps a target to ``(key, Prepared)``
+      pairs (:func:`~evenflow.transports.prepare`), ``incoming`` maps a sender to the
+      ``(key, nbytes)`` pairs this rank receives from it, in the sender's order, and every
+      rank's ``incoming`` agrees with its senders' ``outgoing``. A transport that sizes its
+      receive buffers from ``incoming`` moves the data in ONE collective; the default sends
+      the prepared values through ``exchange`` and checks that exactly the expected keys
+      arrived.
     * ``objects`` are anything :mod:`evenflow.transports` wire format encodes (dicts with
       string keys, lists, tuples, scalars, bytes, numpy arrays, torch CPU tensors); no pickle
       may ever touch peer bytes.
@@ -158,6 +168,35 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         """Send each ``(key, payload)`` to its target rank; return what this rank received."""
+
+    async def exchange_sized(
+        self, outgoing: SizedOutgoing, incoming: SizedIncoming
+    ) -> dict[Hashable, Any]:
+        """:meth:`exchange` with every byte count known in advance (see the class docstring).
+
+        This default serves transports that implement only :meth:`exchange`: it sends the
+        prepared values through it (whatever collectives that takes) and checks that exactly
+        the keys of ``incoming`` arrived. The built-in transports override it with a single
+        collective sized from ``incoming``.
+        """
+        self._check_open("exchange")
+        check_sized(self._rank, self._num_ranks, outgoing, incoming, limit=DEFAULT_MAX_FRAME_BYTES)
+        received = await self.exchange(
+            {target: [(key, p.value) for key, p in items] for target, items in outgoing.items()}
+        )
+        expected = {key for items in incoming.values() for key, _ in items}
+        if set(received) != expected:
+            missing = sorted(map(repr, expected - set(received)))[:5]
+            extra = sorted(map(repr, set(received) - expected))[:5]
+            raise TransportError(
+                f"Rank {self._rank}: exchange_sized expected keys that did not arrive "
+                f"({', '.join(missing) or 'none'}) or received unexpected ones "
+                f"({', '.join(extra) or 'none'}); every rank's incoming must match its "
+                "senders' outgoing.",
+                rank=self._rank,
+                op="exchange",
+            )
+        return received
 
     async def aclose(self) -> None:
         """Release what the transport owns. Idempotent."""

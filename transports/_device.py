@@ -7,7 +7,9 @@ thread, through :attr:`Transport.launcher`; everything that blocks or costs CPU 
 thread. The protocol is that of :mod:`evenflow.transports._protocol` (sizes first, validated,
 then ONE uint8 collective), so one operation is two launches: the sizes collective
 (``final=False``) and, after the waiter has read the sizes back to the host, the data
-collective (``final=True``).
+collective (``final=True``). ``exchange_sized`` — the engine's exchange, whose sizes every
+rank already knows from the metadata round (:mod:`evenflow.transports._sized`) — is ONE
+launch: the data collective alone.
 
 On an accelerator the bytes go host → pinned staging buffer → device (on a dedicated data
 stream) → collective → device → pinned staging buffer → decode, and decoded arrays are views
@@ -44,6 +46,13 @@ from evenflow.transports._protocol import (
     membership,
     open_group,
     pack_outgoing,
+)
+from evenflow.transports._sized import (
+    SizedIncoming,
+    SizedOutgoing,
+    check_sized,
+    decode_segments,
+    write_segments,
 )
 from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError, WireFormatError
@@ -167,7 +176,8 @@ class DeviceTransport(Transport):
             on_device = self._upload(frame)
             return on_device.repeat(n) if n > 1 else on_device
 
-        return await self._move(op, source, [frame.numel()] * n, incoming)
+        gathered: list[Any] = await self._move(op, source, [frame.numel()] * n, incoming)
+        return gathered
 
     async def broadcast(self, obj: Any, *, src: int) -> Any:
         """Member ``src``'s ``obj`` on every member (``src`` too gets a decoded copy)."""
@@ -220,6 +230,34 @@ class DeviceTransport(Transport):
         frames = await self._move(op, lambda: self._upload(buffer), sizes, incoming)
         return self._proto.merge_exchange(op, frames)
 
+    async def exchange_sized(
+        self, outgoing: SizedOutgoing, incoming: SizedIncoming
+    ) -> dict[Hashable, Any]:
+        """One launch: the data collective, its splits from the prepared sizes and ``incoming``."""
+        op = "exchange"
+        self._check_ready(op)
+        send, recv = check_sized(
+            self.rank, self.num_ranks, outgoing, incoming, limit=self._proto.limit
+        )
+
+        def write() -> tuple[torch.Tensor, Exception | None]:
+            buffer = np.empty(sum(send), dtype=np.uint8)
+            failed = write_segments(outgoing, send, buffer)
+            return self._stage(buffer), failed
+
+        staged, error = await self._off_thread(op, write)
+        limit = self._proto.limit
+        received = await self._move(
+            op,
+            lambda: self._upload(staged),
+            send,
+            recv,
+            decode=lambda host: decode_segments(host, incoming, recv, rank=self.rank, limit=limit),
+        )
+        if error is not None:
+            raise error
+        return received  # type: ignore[no-any-return]
+
     async def aclose(self) -> None:
         """Join the waiter thread and destroy the group this transport created."""
         if not self._closed:
@@ -252,8 +290,10 @@ class DeviceTransport(Transport):
         make_source: Callable[[], torch.Tensor],
         sizes: list[int],
         incoming: list[int],
-    ) -> list[Any]:
-        """Launch 2 of 2 (``final=True``): the bytes; then wait, copy back and decode."""
+        decode: Callable[[npt.NDArray[np.uint8]], Any] | None = None,
+    ) -> Any:
+        """Launch 2 of 2 (``final=True``): the bytes; then wait, copy back and decode (one
+        frame per sender, or ``decode(host_bytes)``)."""
         box: list[torch.Tensor] = []
 
         def launch() -> Any:
@@ -271,8 +311,10 @@ class DeviceTransport(Transport):
 
         work = await self._launch(op, launch, final=True)
 
-        def finish() -> list[Any]:
+        def finish() -> Any:
             host = self._wait_host(op, work, box[1])
+            if decode is not None:
+                return decode(host)
             return decode_many(host, incoming, max_frame_bytes=self._proto.limit)
 
         return await self._off_thread(op, finish)

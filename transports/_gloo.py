@@ -29,6 +29,13 @@ size 0) and is instead copied, once, straight into the end of the receive buffer
 while the peers' bytes are in flight, the same overlap Gloo gives its own local copy. The
 engine never sends a rank its own samples, so that path matters only to direct callers.
 
+**Sized exchange: one collective.** ``exchange_sized`` is the engine's path: every sample
+was prepared for the wire when it was read and its frame size travelled in the metadata round,
+so every receiver sizes its buffer from ``incoming`` and the exchange is ONE uint8
+``all_to_all_single`` (:mod:`evenflow.transports._sized`): the sender writes its frames into
+the send buffer, the collective runs, the receiver decodes each frame. The sizes step of
+``exchange`` is what this saves; ``exchange`` keeps it for callers that cannot know the sizes.
+
 **Buffers.** One grow-only send buffer per transport is reused by every exchange (nothing
 refers to it once the data step has returned), and large receives land in pooled buffers
 (:class:`_ReceivePool`): the first-touch page faults of fresh multi-MiB buffers were measured
@@ -62,6 +69,13 @@ from evenflow.transports._protocol import (
     membership,
     open_group,
     pack_outgoing,
+)
+from evenflow.transports._sized import (
+    SizedIncoming,
+    SizedOutgoing,
+    check_sized,
+    decode_segments,
+    write_segments,
 )
 from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError
@@ -212,6 +226,18 @@ class GlooTransport(Transport):
         self._check_routes(outgoing)
         return await self._run("exchange", functools.partial(self._exchange, outgoing))
 
+    async def exchange_sized(
+        self, outgoing: SizedOutgoing, incoming: SizedIncoming
+    ) -> dict[Hashable, Any]:
+        """One ``all_to_all_single``, its splits from the prepared sizes and ``incoming``."""
+        self._check_open("exchange")
+        send, recv = check_sized(
+            self.rank, self.num_ranks, outgoing, incoming, limit=self._proto.limit
+        )
+        return await self._run(
+            "exchange", functools.partial(self._exchange_sized, outgoing, incoming, send, recv)
+        )
+
     async def aclose(self) -> None:
         """Join the collective thread and destroy the group this transport created."""
         if not self._closed:
@@ -248,6 +274,58 @@ class GlooTransport(Transport):
                 f"Rank {self.rank}: {op} was cancelled while in flight.", rank=self.rank, op=op
             )
             raise
+
+    def _exchange_sized(
+        self,
+        outgoing: SizedOutgoing,
+        incoming: SizedIncoming,
+        send: list[int],
+        recv: list[int],
+    ) -> dict[Hashable, Any]:
+        me, limit = self.rank, self._proto.limit
+        # The frames a rank sends itself skip the collective (split size 0), as in exchange:
+        # they are written straight into the end of the receive buffer and decoded while
+        # the peers' bytes are in flight.
+        peer_send, peer_recv = list(send), list(recv)
+        peer_send[me] = peer_recv[me] = 0
+        total = sum(peer_send)
+        buffer = self._send_buffer
+        if buffer is None or buffer.size < total:
+            # Grow-only, as for exchange: nothing refers to it once a collective returned.
+            buffer = self._send_buffer = np.empty(total + total // 4, dtype=np.uint8)
+        send_bytes = buffer[:total]
+        peers = {target: items for target, items in outgoing.items() if target != me}
+        write_error = write_segments(peers, peer_send, send_bytes)
+        from_peers, mine = sum(peer_recv), recv[me]
+        received = self._receive_pool.lease(from_peers + mine)
+        own_sizes = [0] * self.num_ranks
+        own_sizes[me] = mine
+        own_errors: list[Exception | None] = [None]
+
+        def local() -> dict[Hashable, Any]:
+            if not mine:
+                return {}
+            frames = received[from_peers:]
+            own_errors[0] = write_segments({me: outgoing[me]}, own_sizes, frames)
+            return decode_segments(frames, incoming, own_sizes, rank=me, limit=limit)
+
+        own = self._channel.overlapped(
+            "exchange",
+            lambda: dist.all_to_all_single(
+                torch.from_numpy(received[:from_peers]),
+                torch.from_numpy(send_bytes),
+                output_split_sizes=peer_recv,
+                input_split_sizes=peer_send,
+                group=self._group,
+                async_op=True,
+            ),
+            local,
+        )
+        if write_error is not None or own_errors[0] is not None:
+            raise write_error or own_errors[0]  # type: ignore[misc]
+        result = decode_segments(received[:from_peers], incoming, peer_recv, rank=me, limit=limit)
+        result.update(own)
+        return result
 
     def _exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         op = "exchange"

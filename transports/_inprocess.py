@@ -37,12 +37,20 @@ import numpy as np
 from evenflow.transports import _wire
 from evenflow.transports._base import Outgoing, Transport
 from evenflow.transports._protocol import pack_outgoing, unpack_into
+from evenflow.transports._sized import (
+    SizedIncoming,
+    SizedOutgoing,
+    check_sized,
+    decode_segments,
+    write_segments,
+)
 from evenflow.transports.errors import (
     CollectiveMismatchError,
     PeerEncodeError,
     PeerFailureError,
     TransportError,
     TransportTimeoutError,
+    WireFormatError,
 )
 
 __all__ = ["InProcessGroup", "InProcessStatistics", "InProcessTransport"]
@@ -464,6 +472,57 @@ class InProcessTransport(Transport):
             for sender, message in zip(senders, messages, strict=True):
                 unpack_into(received, message, rank=self._rank, sender=sender, op="exchange")
             return received
+        finally:
+            self._busy = False
+
+    async def exchange_sized(
+        self, outgoing: SizedOutgoing, incoming: SizedIncoming
+    ) -> dict[Hashable, Any]:
+        """One collective: each target's prepared frames, sized on both sides in advance.
+
+        Unlike a real collective this one can see what each sender delivered, so a segment
+        whose length differs from what ``incoming`` announced raises ``WireFormatError``
+        naming the sender (on Gloo the same disagreement is what the shared plan rules out).
+        """
+        self._begin("exchange")
+        try:
+            send, recv = check_sized(
+                self._rank, self._num_ranks, outgoing, incoming, limit=_wire.DEFAULT_MAX_FRAME_BYTES
+            )
+            buffer = np.empty(sum(send), dtype=np.uint8)
+            write_error = write_segments(outgoing, send, buffer)
+            deliveries: list[tuple[int, Any]] = []
+            start = 0
+            for target, size in enumerate(send):
+                if size:
+                    deliveries.append((target, buffer[start : start + size]))
+                start += size
+            slot = await self._collective("exchange", None, None, deliveries)
+            try:
+                mail = sorted(slot.inboxes.get(self._rank, ()), key=lambda item: item[0])
+                arrived = [0] * self._num_ranks
+                for sender, frame in mail:
+                    arrived[sender] = 0 if frame is None else frame.size
+                if arrived == recv:
+                    received = _receive_buffer([frame for _, frame in mail if frame is not None])
+            finally:
+                self._group._release(slot)
+            if write_error is not None:
+                raise write_error
+            if arrived != recv:
+                bad = [
+                    (s, arrived[s], recv[s])
+                    for s in range(self._num_ranks)
+                    if arrived[s] != recv[s]
+                ]
+                raise WireFormatError(
+                    f"Rank {self._rank}: exchange_sized received (sender, bytes, announced) "
+                    f"{bad!r}: a sender's frames do not add up to the sizes announced for "
+                    "them. Ranks must hold the same plan."
+                )
+            return decode_segments(
+                received, incoming, recv, rank=self._rank, limit=_wire.DEFAULT_MAX_FRAME_BYTES
+            )
         finally:
             self._busy = False
 

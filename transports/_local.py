@@ -15,9 +15,19 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any, ClassVar
 
+import numpy as np
+
 from evenflow.transports import _wire
 from evenflow.transports._base import Outgoing, Transport
 from evenflow.transports._protocol import pack_outgoing, unpack_into
+from evenflow.transports._sized import (
+    SizedIncoming,
+    SizedOutgoing,
+    check_sized,
+    decode_segments,
+    write_segments,
+)
+from evenflow.transports.errors import WireFormatError
 
 __all__ = ["LocalTransport"]
 
@@ -52,6 +62,22 @@ class LocalTransport(Transport):
         self._check_open("broadcast")
         self._check_src(src)
         return _roundtrip(obj)
+
+    async def exchange_sized(
+        self, outgoing: SizedOutgoing, incoming: SizedIncoming
+    ) -> dict[Hashable, Any]:
+        """Self-sends only, written and decoded as on a real group (no collective)."""
+        self._check_open("exchange")
+        send, recv = check_sized(0, 1, outgoing, incoming, limit=_wire.DEFAULT_MAX_FRAME_BYTES)
+        if send != recv:
+            raise WireFormatError(
+                f"Rank 0: exchange_sized sends itself {send[0]} bytes but expects {recv[0]}."
+            )
+        buffer = np.empty(send[0], dtype=np.uint8)
+        error = write_segments(outgoing, send, buffer)
+        if error is not None:
+            raise error
+        return decode_segments(buffer, incoming, recv, rank=0, limit=_wire.DEFAULT_MAX_FRAME_BYTES)
 
     async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         self._check_open("exchange")

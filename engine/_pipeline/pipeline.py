@@ -82,7 +82,7 @@ from evenflow.engine.errors import (
     PlanningError,
     RemoteStageError,
 )
-from evenflow.transports import Transport
+from evenflow.transports import Prepared, Transport
 from evenflow.transports.errors import (
     CollectiveMismatchError,
     PeerEncodeError,
@@ -128,6 +128,7 @@ class Pipeline:
             cpu_executor=cpu_executor,
             source_executor=source_executor,
             initial_iter=initial_iter,
+            prepare_payloads=assigned is None and transport.num_ranks > 1,
         )
         self._config = config
         self._transport = transport
@@ -541,6 +542,11 @@ class Pipeline:
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
         if state.step == self._read_from:
             msg["dataset"] = self._dataset
+        if state.prepared is not None and state.status == "ok":
+            # Frame sizes: every receiver sizes its exchange buffer from them and the plan.
+            msg["nbytes"] = np.fromiter(
+                (p.nbytes for p in state.prepared), dtype=np.int64, count=len(state.prepared)
+            )
         if self._assigned is not None and state.status == "ok" and state.samples is not None:
             msg["indices"] = np.fromiter(
                 (s.dataset_index for s in state.samples), dtype=np.int64, count=len(state.samples)
@@ -631,9 +637,11 @@ class Pipeline:
 
     async def _plan_window(self, window: list[StepState]) -> None:
         shared = {s.step: s.samples for s in window if s.samples is not None}
+        prepared = {s.step: s.prepared for s in window if s.prepared is not None}
         messages = {s.step: s.messages for s in window if s.messages is not None}
         for state in window:
             state.window_samples = shared
+            state.window_prepared = prepared or None
             state.window_messages = messages
         await self._plan_stage.run_window(window)
         for state in window:
@@ -641,7 +649,9 @@ class Pipeline:
                 state.skip = True
                 routes = state.routes
                 if routes is not None:  # its samples trained before the restore
-                    _drop_local(shared, (*routes.send.values(), *routes.bins), self._rank)
+                    keys = (*routes.send.values(), *routes.bins)
+                    _drop_local(shared, keys, self._rank)
+                    _drop_local(prepared, keys, self._rank)
 
     async def _abort_after_local_planning_failure(
         self, state: StepState, exc: BaseException
@@ -669,10 +679,10 @@ class Pipeline:
         moves = plan is not None and plan.num_moved > 0 and not state.skip
         await self._sequencer.turn(state.step, "exchange")
         if moves:
-            outgoing = self._outgoing(state) if state.error is None else {}
+            outgoing, incoming = self._sized(state)
             self._exchanging = state.step
             try:
-                state.received = await self._transport.exchange(outgoing)
+                state.received = await self._transport.exchange_sized(outgoing, incoming)
             except PeerEncodeError as exc:
                 # No data moved anywhere; the failing rank announces its own error in the next
                 # metadata round, which replaces this summary with its message.
@@ -694,6 +704,8 @@ class Pipeline:
             if state.window_samples is not None and state.routes is not None:
                 # Sent: the reading rank no longer needs these samples.
                 _drop_local(state.window_samples, state.routes.send.values(), self._rank)
+                if state.window_prepared is not None:
+                    _drop_local(state.window_prepared, state.routes.send.values(), self._rank)
         self.exchanged_step = state.step
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
@@ -718,18 +730,45 @@ class Pipeline:
             return
         assert self._assigned is not None
         try:
-            messages = state.window_messages or {state.step: state.messages}
+            messages = state.step_messages()
             state.received = await self._assigned.read(state.step, state.routes, messages)
         except Exception as exc:
             state.fail("read_assigned", exc)
 
-    def _outgoing(self, state: StepState) -> dict[int, list[tuple[Any, Any]]]:
-        assert state.routes is not None
-        local = state.local_samples()
-        return {
-            dest: [(key, local[key[1]][key[2]]) for key in keys]
-            for dest, keys in state.routes.send.items()
+    def _sized(
+        self, state: StepState
+    ) -> tuple[dict[int, list[tuple[Any, Prepared]]], dict[int, list[tuple[Any, int]]]]:
+        """What this rank sends (its prepared samples, by target) and what it receives (keys
+        and frame sizes, by sender), both from the plan and the gathered metadata, which every
+        rank shares; so both sides of every pair count the same bytes and the exchange needs
+        no sizes collective. Both lists follow the receiver's pack order. A key names the step
+        that read it: in a balance window, any step of the window."""
+        routes = state.routes
+        assert routes is not None
+        sizes = {
+            step: [np.asarray(m["nbytes"], dtype=np.int64) for m in messages]
+            for step, messages in state.step_messages().items()
         }
+        if state.window_prepared is not None:
+            prepared = state.window_prepared
+        elif state.prepared is not None and state.error is None:
+            prepared = {state.step: state.prepared}
+        else:
+            # Cannot happen while read errors end the step at its gather; kept safe anyway:
+            # the announced number of bytes still goes out, as zeros the receivers report.
+            own = sizes[state.step][self._rank]
+            prepared = {state.step: [Prepared.zeros(int(n)) for n in own]}
+        outgoing = {
+            dest: [(key, prepared[key[1]][key[2]]) for key in keys]
+            for dest, keys in routes.send.items()
+        }
+        incoming: dict[int, list[tuple[Any, int]]] = {}
+        for keys in routes.bins:
+            for key in keys:
+                if key[0] != self._rank:
+                    size = int(sizes[key[1]][key[0]][key[2]])
+                    incoming.setdefault(key[0], []).append((key, size))
+        return outgoing, incoming
 
     # -- pack ---------------------------------------------------------------------------------
 
@@ -774,6 +813,8 @@ class Pipeline:
                     self._waiting_h2d -= 1
         if state.window_samples is not None and state.routes is not None:
             _drop_local(state.window_samples, state.routes.bins, self._rank)
+            if state.window_prepared is not None:
+                _drop_local(state.window_prepared, state.routes.bins, self._rank)
         state.release_payloads()
         await self._sequencer.turn(state.step, "settle")
         self._settled.append(state)
@@ -866,8 +907,9 @@ def _drop_local(
     sent or packed them, so the window no longer holds them."""
     for keys in groups:
         for key in keys:
-            if key[0] == rank:
-                samples[key[1]][key[2]] = None
+            row = samples.get(key[1]) if key[0] == rank else None
+            if row is not None:  # (a step without frames: shared-dataset mode, one rank)
+                row[key[2]] = None
 
 
 class _Aborted(Exception):

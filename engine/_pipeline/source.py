@@ -20,6 +20,7 @@ from typing import Any
 from evenflow.engine._model import SampleMetadata
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import ConfigError
+from evenflow.transports import Prepared, prepare
 
 __all__ = ["SourceReader"]
 
@@ -40,8 +41,13 @@ class SourceReader:
         cpu_executor: concurrent.futures.Executor,
         source_executor: concurrent.futures.Executor,
         initial_iter: Iterator[Any] | None = None,
+        prepare_payloads: bool = False,
     ) -> None:
         self._source = source
+        # Payload mode on a group: each sample is prepared for the wire when it is read, so
+        # its frame size can travel in the metadata round (and an unencodable sample fails
+        # here, announced like any read error, before any size is announced).
+        self._prepare = prepare_payloads
         self._metadata_fn = metadata_fn
         self._bins_per_rank = bins_per_rank
         self._cpu = cpu_executor
@@ -64,12 +70,14 @@ class SourceReader:
                 loop = asyncio.get_running_loop()
                 described = await loop.run_in_executor(self._cpu, self._describe, raw)
                 state.source_state = self._source_state()
+                if self._prepare:
+                    state.prepared = await loop.run_in_executor(self._cpu, _prepared, described[0])
             else:
                 result = await self._on_source_thread(self._read_sync)
                 if result is None:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
-                described, state.source_state = result
+                described, state.source_state, state.prepared = result
             state.samples, state.sizes, state.metas = described
             state.steps_left = self._steps_left(step)
         except Exception as exc:
@@ -142,14 +150,15 @@ class SourceReader:
         state_dict = getattr(self._source, "state_dict", None)
         return state_dict() if callable(state_dict) else None
 
-    def _read_sync(self) -> tuple[Described, Any] | None:
+    def _read_sync(self) -> tuple[Described, Any, list[Prepared] | None] | None:
         assert isinstance(self._iter, Iterator)
         try:
             raw = next(self._iter)
         except StopIteration:
             return None
         described = self._describe(raw)
-        return described, self._source_state()
+        prepared = _prepared(described[0]) if self._prepare else None
+        return described, self._source_state(), prepared
 
     def _describe(self, raw: Any) -> Described:
         """The step's samples (bin after bin, the objects themselves), bin sizes, metadata."""
@@ -192,6 +201,15 @@ class SourceReader:
             f"metadata_fn must return a SampleMetadata or an int token count, but returned "
             f"{meta!r:.80} ({type(meta).__name__})."
         )
+
+
+def _prepared(samples: list[Any]) -> list[Prepared]:
+    """Every sample measured for the wire; an unencodable one fails the exchange stage."""
+    try:
+        return [prepare(sample) for sample in samples]
+    except Exception as exc:
+        exc._evenflow_stage = "exchange"  # type: ignore[attr-defined]
+        raise
 
 
 def _close_iterator(held: list[Iterator[Any]]) -> None:

@@ -68,6 +68,7 @@ class StepState:
     samples: list[Any] | None = None  # this rank's samples, bin after bin, as read
     sizes: list[int] | None = None  # samples per bin of ``samples``
     metas: list[SampleMetadata] | None = None
+    prepared: list[Any] | None = None  # payload mode: each sample prepared for the wire
     source_state: Any = None  # the source's state right after this step was read
     resume_source: Any = None  # the source state a checkpoint taken after this step records
     steps_left: int | None = None  # source steps after this one, where the source has a len()
@@ -97,6 +98,7 @@ class StepState:
     # never exchanged or delivered again), and whether the round that ended the pass fell in
     # the middle of a window (a final round then confirms the window's steps).
     window_samples: dict[int, list[Any]] | None = None
+    window_prepared: dict[int, list[Any]] | None = None  # the window's wire frames, by step
     window_messages: dict[int, list[dict[str, Any]]] | None = None  # the window's rounds
     skip: bool = False
     final_pending: bool = False
@@ -108,6 +110,13 @@ class StepState:
         assert self.samples is not None
         return {self.step: self.samples}
 
+    def step_messages(self) -> dict[int, list[dict[str, Any]]]:
+        """Every rank's metadata message of each step a plan of this step may name."""
+        if self.window_messages is not None:
+            return self.window_messages
+        assert self.messages is not None
+        return {self.step: self.messages}
+
     def fail(self, stage: str, exc: BaseException) -> None:
         if self.error is None:
             self.error, self.error_stage = exc, stage
@@ -115,7 +124,9 @@ class StepState:
     def release_payloads(self) -> None:
         self.samples = None
         self.window_samples = None
+        self.window_prepared = None
         self.window_messages = None
+        self.prepared = None
         self.messages = None
         self.received = {}
 

@@ -34,6 +34,7 @@ import torch
 
 from evenflow.transports._base import Transport
 from evenflow.transports._inprocess import InProcessGroup, InProcessTransport
+from evenflow.transports._sized import prepare
 from evenflow.transports.errors import (
     EncodeError,
     PeerEncodeError,
@@ -345,6 +346,54 @@ async def _check_exchange(t: Transport, large_bytes: int) -> None:
     _assert_same(await t.exchange(outgoing), expected, "result", check, rank)
 
 
+def _sized_items(sender: int, target: int, n: int) -> list[tuple[Hashable, Any]]:
+    return _uneven_items(sender, target, n) or []
+
+
+async def _check_exchange_sized(t: Transport, large_bytes: int) -> None:
+    """``exchange_sized``: every rank computes what it receives and its sizes in advance."""
+    rank, n = t.rank, t.num_ranks
+
+    check = "exchange_sized: empty"
+    _assert_same(await t.exchange_sized({}, {}), {}, "exchange_sized({}, {})", check, rank)
+
+    check = "exchange_sized: uneven"
+    outgoing = {
+        target: [(key, prepare(value)) for key, value in _sized_items(rank, target, n)]
+        for target in range(n)
+    }
+    incoming = {
+        sender: [(key, prepare(value).nbytes) for key, value in _sized_items(sender, rank, n)]
+        for sender in range(n)
+    }
+    expected: dict[Hashable, Any] = {}
+    for sender in range(n):
+        expected.update(_sized_items(sender, rank, n))
+    received = await t.exchange_sized(outgoing, incoming)
+    _assert_same(received, expected, "result", check, rank)
+    own = dict(_sized_items(rank, rank, n))
+    _assert_no_alias({key: received[key] for key in own}, own, check, rank)
+
+    if large_bytes > 0:
+        check = "exchange_sized: large payload"
+        target, source = (rank + 1) % n, (rank - 1) % n
+        mine = [((rank, 0), _large_array(rank, large_bytes)), ((rank, 1), "small")]
+        theirs = [((source, 0), _large_array(source, large_bytes)), ((source, 1), "small")]
+        received = await t.exchange_sized(
+            {target: [(k, prepare(v)) for k, v in mine]},
+            {source: [(k, prepare(v).nbytes) for k, v in theirs]},
+        )
+        _assert_same(received, dict(theirs), "result", check, rank)
+
+    check = "exchange_sized: bad arguments"
+    await _expect_error(ValueError, t.exchange_sized({n: []}, {}), check, rank)
+    unprepared: Any = {rank: [((rank,), "not prepared")]}
+    await _expect_error(TypeError, t.exchange_sized(unprepared, {}), check, rank)
+    await _expect_error(ValueError, t.exchange_sized({}, {rank: [((rank,), 7)]}), check, rank)
+    gathered = await t.all_gather(rank)
+    _assert_same(gathered, list(range(n)), "all_gather after bad arguments", check, rank)
+
+
 async def _check_local_errors(t: Transport) -> None:
     """Errors every rank raises locally, before any collective: the group stays in step."""
     rank, n = t.rank, t.num_ranks
@@ -442,9 +491,11 @@ async def check_transport(
     Checks, in this order: identity and ordering by group rank; ``all_gather`` and
     ``broadcast`` (from every source) of every supported value type; ``exchange`` with empty
     input, self-sends, uneven and missing routes, a ``large_bytes`` payload (0 skips it) and
-    many small payloads; ``RouteError`` and ``EncodeError`` raised locally with the group
-    still usable afterwards; 50 mixed operations; with ``check_timeout=True`` (only for a
-    transport with a short timeout: rank 0 idles for twice the timeout) a missing peer
+    many small payloads; ``exchange_sized`` with empty, uneven and large input and bad
+    arguments refused before any data moves; ``RouteError`` and ``EncodeError`` raised
+    locally with the group still usable afterwards; 50 mixed operations; with
+    ``check_timeout=True`` (only for a transport with a short timeout: rank 0 idles for
+    twice the timeout) a missing peer
     causing ``TransportTimeoutError`` and prompt failures afterwards; last, close semantics.
     The transport is closed on return. Raises ``AssertionError`` on a contract violation.
     """
@@ -457,6 +508,7 @@ async def check_transport(
     await _check_all_gather(transport, expected)
     await _check_broadcast(transport, expected)
     await _check_exchange(transport, large_bytes)
+    await _check_exchange_sized(transport, large_bytes)
     await _check_local_errors(transport)
     await _check_mixed(transport)
     if check_timeout:

@@ -25,6 +25,7 @@ from collections.abc import Hashable
 from typing import Any, ClassVar
 
 from evenflow.transports._base import Outgoing, Transport
+from evenflow.transports._sized import SizedIncoming, SizedOutgoing
 
 __all__ = ["WrappedTransport"]
 
@@ -56,6 +57,15 @@ class WrappedTransport(Transport):
 
     async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
         return await self.inner.exchange(outgoing)
+
+    async def exchange_sized(
+        self, outgoing: SizedOutgoing, incoming: SizedIncoming
+    ) -> dict[Hashable, Any]:
+        if type(self).exchange is not WrappedTransport.exchange:
+            # A subclass intercepts exchange: route this one through it too (the inherited
+            # path, which calls self.exchange), so that it sees every exchange.
+            return await super().exchange_sized(outgoing, incoming)
+        return await self.inner.exchange_sized(outgoing, incoming)
 
     async def aclose(self) -> None:
         await super().aclose()
