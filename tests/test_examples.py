@@ -43,6 +43,7 @@ def test_every_example_is_tested() -> None:
         "custom_transport.py",
         "tracing_perfetto.py",
         "resume_checkpoint.py",
+        "elastic_resume.py",
         "parallel_tokenize.py",
         "hf_training_loop.py",
     }
@@ -203,3 +204,20 @@ def test_parallel_tokenize(tmp_path: Path) -> None:
     workers = re.findall(r"workers: rank \d trained (.*)", out)
     threads = re.findall(r"threads: rank \d trained (.*)", out)
     assert workers == threads
+
+
+@pytest.mark.multiprocess
+def test_elastic_resume(tmp_path: Path) -> None:
+    out = _run(_example("elastic_resume.py", "--out", "ckpt", "--samples", "160"), tmp_path)
+    resumed = re.search(r"2 ranks resumed at step (\d+)", out)
+    assert resumed is not None and resumed.group(1) == "3", out
+    epoch = re.search(
+        r"epoch 0: (\d+) of 160 samples delivered, (\d+) twice; (\d+) never delivered, "
+        r"the documented remainder is (\d+)",
+        out,
+    )
+    assert epoch is not None, out
+    delivered, twice, never, remainder = map(int, epoch.groups())
+    assert twice == 0 and never == remainder and delivered + never == 160, out
+    steps = re.search(r"epoch 1: (\d+) steps per rank, as a 2-rank run: (\d+)", out)
+    assert steps is not None and steps.group(1) == steps.group(2), out

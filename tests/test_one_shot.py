@@ -11,6 +11,7 @@ import pytest
 
 from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.engine.errors import ConfigError
+from evenflow.transports import _wire
 
 CONFIG = LoaderConfig(seq_len=32, bins_per_rank=2, log_stats=False)
 STEPS = 3
@@ -105,6 +106,7 @@ def test_the_guard_passes_state_len_and_epochs_through() -> None:
         assert len(loader) == STEPS
         next(iter(loader))
         state = loader.state_dict()
-        assert state["source_stateful"] is True
-        assert state["source"] == {"position": 1}
+        entry = state["ranks"]["0"]
+        assert entry["stateful"] is True
+        assert _wire.decode(entry["source"]) == {"position": 1}
     assert source.epochs == [0]

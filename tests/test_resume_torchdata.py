@@ -63,7 +63,7 @@ def _flat(batch: list[dict[str, Any]]) -> list[bytes]:
 @pytest.mark.asyncio
 async def test_stateful_dataloader_resumes_bitwise() -> None:
     recorded = await asyncio.gather(*(record_pass(ld, _flat) for ld in _loaders(2)))
-    assert recorded[0][1][3]["source"] is not None  # the source's own state was captured
+    assert recorded[0][1][3]["ranks"]["0"]["source"] is not None  # the source state was captured
     for k in (0, 4, STEPS - 1):
         resumed = _loaders(depth=3)
         for r, loader in enumerate(resumed):

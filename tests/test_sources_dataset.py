@@ -153,10 +153,6 @@ def test_a_state_from_another_dataset_seed_or_layout_is_refused() -> None:
     other[5]["input_ids"].append(0)
     with pytest.raises(ResumeError, match="lengths_fingerprint"):
         DatasetSource(other, seq_len=SEQ_LEN, bins_per_rank=2, seed=1).load_state_dict(state)
-    with pytest.raises(ResumeError, match="rank"):
-        DatasetSource(
-            _rows(), seq_len=SEQ_LEN, bins_per_rank=2, seed=1, rank=1, num_ranks=2
-        ).load_state_dict(state)
     with pytest.raises(ResumeError, match="beyond"):
         DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2, seed=1).load_state_dict(
             {**state, "step": 10_000}

@@ -304,16 +304,31 @@ def test_follower_detects_a_step_mismatch() -> None:
 async def test_follower_async_iteration_and_resume() -> None:
     end = {"status": "end", "epoch": 0, "step": 3, "error": None}
     loader = _follower([_ok(2), (end, None)], max_steps=3)
+    from evenflow.engine._pipeline.resume import loader_state
+
     state = loader.state_dict()
-    assert state["format"] == "evenflow.follower" and len(loader) == 3
-    loader.load_state_dict({**state, "step": 2})
+    assert state["format"] == "evenflow.loader" and len(loader) == 3
+    assert "ranks" not in state and "position" not in state  # only the shared fields
+    at_two = loader_state(
+        epoch=0,
+        step=2,
+        identity={},
+        source=None,
+        source_state=None,
+        process_rank=None,
+        group_rank=0,
+        group=[],
+    )
+    loader.load_state_dict(at_two)
     async with loader:
         assert [b["step"] async for b in loader] == [2]
     from evenflow.engine.errors import LoaderStateError, ResumeError
 
     fresh = _follower([])
-    with pytest.raises(ResumeError, match="follower state"):
+    with pytest.raises(ResumeError, match=r"a follower of rank 2\) cannot restore this state"):
         fresh.load_state_dict({"format": "evenflow.loader"})
+    with pytest.raises(ResumeError, match="do not belong together"):
+        fresh.load_state_dict({**state, "step": 2})  # edited: the digest no longer matches
     with pytest.raises(TypeError, match="max_steps is None"):
         len(fresh)
     fresh.close()

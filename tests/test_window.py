@@ -161,7 +161,6 @@ async def test_window_of_one_plans_each_step_as_the_planner_does() -> None:
             for r in range(2)
         ]
         assert planner.plan_arrays(peer_columns(messages, ()), step).digest == stats.digest
-    assert [s["window_first"] for s in default[0]["states"]] == list(range(1, STEPS + 1))
 
 
 # -- ends and failures in the middle of a window ------------------------------------------------
@@ -296,7 +295,7 @@ def test_resume_at_every_position_of_a_window_is_bitwise_in_fresh_processes() ->
         kind: [r[kind]["states"][: STEPS - 1] for r in recorded]
         for kind in ("stateful", "stateless")
     }
-    assert {s["window_first"] for s in states["stateful"][0]} == {0, 3, 6}
+    assert {s["step"] % WINDOW for s in states["stateful"][0]} == {0, 1, 2}  # every position
     tails = run_ranks(resume_rank, 2, args=(WINDOW, states), timeout=10.0, deadline=120.0)
     for kind in ("stateful", "stateless"):
         for rank in range(2):

@@ -28,8 +28,9 @@ from evenflow.engine._pipeline.parts import (
     fingerprint_of,
     loader_identity,
     loader_parts,
+    resume_identity,
 )
-from evenflow.engine._validate import check_int
+from evenflow.engine._pipeline.resume import loader_state, read_state
 from evenflow.engine.errors import (
     ConfigError,
     GroupMismatchError,
@@ -120,8 +121,6 @@ def decode_error(data: Any) -> Exception:
 
 # -- the loader every rank of a mesh gets --------------------------------------------------------
 
-FOLLOWER_STATE_FORMAT = "evenflow.follower"
-
 
 class DistributedLoader(LoaderFacade):
     """The loader :func:`~evenflow.engine.build_loader` returns: ``BalancedLoader``'s API on
@@ -154,6 +153,7 @@ class DistributedLoader(LoaderFacade):
         stager: DeviceStager | None,
         identity: dict[str, Any],
         release: Callable[[], None],
+        resume: dict[str, Any] | None = None,
         world_transport: Transport | None = None,
     ) -> None:
         super().__init__()
@@ -165,6 +165,7 @@ class DistributedLoader(LoaderFacade):
         self._bc = broadcaster
         self._stager = stager
         self._identity = identity
+        self._resume_identity = resume or {}
         self._release_groups = release
         # Follower-side position; constructors read theirs from the inner loader.
         self._epoch = 0
@@ -195,6 +196,7 @@ class DistributedLoader(LoaderFacade):
             stager=None,
             identity=inner.identity(),
             release=release,
+            resume=inner.identity(for_resume=True),
             world_transport=world_transport,
         )
 
@@ -228,6 +230,7 @@ class DistributedLoader(LoaderFacade):
             stager=parts.stager,
             identity=loader_identity(config, parts.planner, group, name),
             release=release,
+            resume=resume_identity(config, parts.planner),
         )
 
     # -- properties ----------------------------------------------------------------------------
@@ -366,18 +369,21 @@ class DistributedLoader(LoaderFacade):
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The consumed position (a follower's holds only epoch and step)."""
+        """The consumed position. A follower's holds only the fields every rank shares (epoch,
+        step, identity): the same as its constructor's, so a ``torch.distributed.checkpoint``
+        of the whole mesh never mixes ranks' data."""
         if self._inner is not None:
             return self._inner.state_dict()
-        return {
-            "format": FOLLOWER_STATE_FORMAT,
-            "version": 1,
-            "epoch": self._epoch,
-            "step": self._step,
-            "rank": self._topology.rank,
-            "constructor": self._topology.constructor,
-            "fingerprint": self.fingerprint(),
-        }
+        return loader_state(
+            epoch=self._epoch,
+            step=self._step,
+            identity=self._resume_identity,
+            source=None,
+            source_state=None,
+            process_rank=None,
+            group_rank=0,
+            group=[],
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by :meth:`state_dict` on this rank, before iterating."""
@@ -385,24 +391,27 @@ class DistributedLoader(LoaderFacade):
         if self._inner is not None:
             self._inner.load_state_dict(state)
             return
-        if not isinstance(state, dict) or state.get("format") != FOLLOWER_STATE_FORMAT:
-            raise ResumeError(
-                f"This rank ({self._topology.rank}) receives its batches from rank "
-                f"{self._topology.constructor} and restores only a follower state "
-                f"(format {FOLLOWER_STATE_FORMAT!r}), but got {state!r:.120}."
-            )
-        if state.get("fingerprint") != self.fingerprint():
-            raise ResumeError(
-                f"The saved follower state has fingerprint {state.get('fingerprint')!r} but this "
-                f"loader has {self.fingerprint()!r}: the configuration or layout changed."
-            )
         if self._step or self._pass_state is not None:
             raise LoaderStateError(
                 "load_state_dict() must be called before iteration starts (or right after "
                 "set_epoch())."
             )
-        self._epoch = check_int("state['epoch']", state.get("epoch"), minimum=0)
-        self._step = check_int("state['step']", state.get("step"), minimum=0)
+        try:
+            restore = read_state(
+                state,
+                identity=self._resume_identity,
+                source=None,
+                process_rank=None,
+                group_rank=0,
+                group=[],
+                max_steps=self._config.max_steps,
+            )
+        except ResumeError as exc:
+            raise ResumeError(
+                f"Rank {self._topology.rank} (a follower of rank {self._topology.constructor}) "
+                f"cannot restore this state: {exc}"
+            ) from None
+        self._epoch, self._step = restore.epoch, restore.step
 
     # -- internals ------------------------------------------------------------------------------
 

@@ -21,15 +21,16 @@ from evenflow.engine._pipeline.parts import (
     fingerprint_of,
     loader_identity,
     loader_parts,
+    resume_identity,
 )
 from evenflow.engine._pipeline.pass_report import PassSummary
 from evenflow.engine._pipeline.pipeline import Pipeline
 from evenflow.engine._pipeline.read_assigned import AssignedReader, shared_identity, shared_source
 from evenflow.engine._pipeline.resume import (
-    STATE_FORMAT,
-    STATE_VERSION,
+    Restore,
+    loader_state,
+    read_state,
     restore_source,
-    validate_state,
     window_first,
 )
 from evenflow.engine._pipeline.stats import BalanceTally, StepStats
@@ -161,7 +162,7 @@ class BalancedLoader(LoaderFacade):
         self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
         self._source_state: Any = None
-        self._restored: dict[str, Any] | None = None
+        self._restored: Restore | None = None
         self._pass_samples = 0  # samples / tokens this rank trained on in the current pass
         self._pass_tokens = 0
         self._last_pass: PassSummary | None = None
@@ -249,16 +250,19 @@ class BalancedLoader(LoaderFacade):
         """Plain data every rank of a group must agree on: configuration, planner identity
         (cost model and algorithm), group layout, transport and library version.
 
-        ``for_resume=True`` leaves out the settings that may change across a restart without
-        changing what is delivered (prefetch depth, timeout, logging).
+        ``for_resume=True``: what a restore must match instead, the same on every rank of
+        any layout (the configuration without run-length and runtime settings such as
+        ``max_steps``, prefetch depths, timeout, logging and planning mode; the planner
+        without its group size; the version).
         """
+        if for_resume:
+            return resume_identity(self._config, self._planner)
         transport = self._transport
         return loader_identity(
             self._config,
             self._planner,
             transport.global_ranks,
             transport.name,
-            for_resume=for_resume,
         )
 
     # -- the entry points' bodies (LoaderFacade writes the sync and async forms) ---------------
@@ -345,46 +349,59 @@ class BalancedLoader(LoaderFacade):
             set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """The consumed position: plain data (msgpack- and ``torch.save``-friendly).
+        """The consumed position: plain data (msgpack- and ``torch.save``-friendly), laid out
+        for ``torch.distributed.checkpoint`` too (ranks' data never share a key).
 
         Describes the steps *delivered* to the caller only; prefetched steps are not counted,
-        so a restored loader re-reads and re-delivers them exactly. ``source`` is the source's
-        position at ``window_first``, the first step of the balance window that holds the
-        next step (``step`` itself when ``balance_window`` is 1): a restored loader reads the
+        so a restored loader re-reads and re-delivers them exactly. With a source whose
+        position is global (``DatasetSource``) the state is the same on every rank at the
+        same step and restores onto any number of ranks; otherwise it holds this rank's own
+        entry, keyed by its process rank. With a balance window the source state is the one
+        at the first step of the window that holds the next step: a restored loader reads the
         window again from there, plans it identically and skips the steps already delivered.
         """
-        return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "epoch": self._epoch,
-            "step": self._delivered,
-            "window_first": window_first(self._delivered, self._config.balance_window),
-            "source": self._source_state,
-            "source_stateful": callable(getattr(self._source, "state_dict", None)),
-            "rank": self._transport.rank,
-            "group": list(self._transport.global_ranks),
-            "fingerprint": self.fingerprint(for_resume=True),
-            "identity": self.identity(for_resume=True),
-        }
+        transport = self._transport
+        return loader_state(
+            epoch=self._epoch,
+            step=self._delivered,
+            identity=self.identity(for_resume=True),
+            source=self._source,
+            source_state=self._source_state,
+            process_rank=_process_rank(transport),
+            group_rank=transport.rank,
+            group=list(transport.global_ranks),
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a position saved by :meth:`state_dict`; only before iteration starts."""
+        """Restore a position saved by :meth:`state_dict`; only before iteration starts.
+
+        Also a ``torch.distributed.checkpoint`` ``Stateful``: ``dcp.load({"loader": loader},
+        ...)`` calls it with what this rank needs of the saved state."""
         self._check_open()
         if self._pipeline is not None or self._delivered or self._pass_finished:
             raise LoaderStateError(
                 "load_state_dict() must be called before iteration starts (or right after "
                 "set_epoch()); this loader has already delivered or prefetched steps."
             )
-        validate_state(state, self)
-        self._first_step = self._delivered = int(state["step"])
-        self._read_from = window_first(self._delivered, self._config.balance_window)
-        state = {**state, "window_first": self._read_from}
-        self._epoch = int(state["epoch"])
+        transport = self._transport
+        restore = read_state(
+            state,
+            identity=self.identity(for_resume=True),
+            source=self._source,
+            process_rank=_process_rank(transport),
+            group_rank=transport.rank,
+            group=list(transport.global_ranks),
+            max_steps=self._config.max_steps,
+            window=self._config.balance_window,
+        )
+        self._epoch = restore.epoch
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
-        self._restored = state
-        self._source_state = state["source"]
+        self._restored = restore
+        self._first_step = self._delivered = restore.step
+        self._read_from = window_first(restore.step, self._config.balance_window)
+        self._source_state = restore.source
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -403,7 +420,11 @@ class BalancedLoader(LoaderFacade):
         if self._restored is not None:
             restored, self._restored = self._restored, None
             initial_iter = await loop.run_in_executor(
-                self._source_executor, restore_source, self._source, restored
+                self._source_executor,
+                restore_source,
+                self._source,
+                self._read_from,
+                restored.source,
             )
         else:
             initial_iter = None
@@ -559,6 +580,17 @@ class BalancedLoader(LoaderFacade):
             f"<BalancedLoader {state} rank={self._transport.rank}/"
             f"{self._transport.num_ranks} step={self._delivered}>"
         )
+
+
+def _process_rank(transport: Transport) -> int:
+    """The key of this rank's entry in a state: the torch.distributed rank when a world is
+    initialised (unique even when each process runs a loader of its own), else the
+    transport's global rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(transport.global_ranks[transport.rank])
 
 
 def _resolve_transport(

@@ -39,16 +39,22 @@ __all__ = [
     "fingerprint_of",
     "loader_identity",
     "loader_parts",
+    "resume_identity",
 ]
 
 LIBRARY_VERSION = "0.1.0"
-#: Settings that may change across a restart without changing what is delivered.
+#: Settings that may change across a restart: they decide how long a run goes, how far ahead
+#: it reads, how it waits, logs and where it plans, never which samples form which step or
+#: where they train (``planning``: the leader computes the very plan every rank would).
 RUNTIME_ONLY = (
-    "prefetch_depth",
     "device_prefetch_depth",
-    "timeout",
     "log_stats",
+    "max_steps",
+    "on_uneven_end",
+    "planning",
+    "prefetch_depth",
     "switch_interval",
+    "timeout",
 )
 
 
@@ -196,6 +202,18 @@ def loader_identity(
         "transport": transport,
         "version": LIBRARY_VERSION,
     }
+
+
+def resume_identity(config: LoaderConfig, planner: Planner) -> dict[str, Any]:
+    """What a restore must match, the same on every rank of any layout: the configuration
+    without the settings in ``RUNTIME_ONLY``, the planner's identity without its group size,
+    and the library version. The group layout is checked apart, by sources that need it."""
+    settings = config.to_dict()
+    for name in RUNTIME_ONLY:
+        settings.pop(name, None)
+    planner_identity = dict(planner.identity())
+    planner_identity.pop("num_ranks", None)
+    return {"config": settings, "planner": planner_identity, "version": LIBRARY_VERSION}
 
 
 def fingerprint_of(identity: dict[str, Any]) -> str:

@@ -8,7 +8,9 @@ Every epoch is planned the same way on every rank, from the lengths alone:
 3. unit ``u`` goes to rank ``u % num_ranks`` as its step ``u // num_ranks``.
 
 So every rank knows every rank's steps, the shards are disjoint, and every rank has the same
-number of steps per epoch, ``num_units // num_ranks``. What the epoch leaves unread is the
+number of steps per epoch, ``num_units // num_ranks``. The position is global (the consumed
+units are a prefix of the epoch's), so a state restores onto any number of ranks: the rest of
+the epoch is dealt to the new ranks (see ``elastic``). What the epoch leaves unread is the
 packer's remainder (less than one unit) plus the last ``num_units % num_ranks`` units (fewer
 than ``num_ranks``): at most about ``num_ranks * bins_per_rank`` bins' worth of samples, counted
 in :attr:`DatasetSource.report` and logged at INFO when an epoch is planned.
@@ -32,6 +34,7 @@ from evenflow.engine._sources._common import (
     check_oversized,
 )
 from evenflow.engine._sources._lengths import default_length, fingerprint, read_lengths
+from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
@@ -41,7 +44,7 @@ __all__ = ["DatasetSource"]
 logger = logging.getLogger("evenflow")
 
 STATE_FORMAT = "evenflow.DatasetSource"
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class _Epoch:
     epoch: int
     order: npt.NDArray[np.int64]  # dataset indices in stream order
     packed: PackedSteps
+    dealing: Dealing
     num_steps: int
     report: SourceReport
 
@@ -76,7 +80,13 @@ class DatasetSource:
     samples assigned to it with :meth:`read` on ``read_threads`` threads after planning, so
     no payload crosses the network. The loader refuses a group whose ranks see different
     datasets (:meth:`dataset_identity`).
+
+    Its state is global: the same on every rank at the same step, and restorable onto a
+    different number of ranks (the rest of the epoch is dealt to them).
     """
+
+    #: The state is the same on every rank at the same step (see ``elastic``).
+    global_position = True
 
     def __init__(
         self,
@@ -153,6 +163,7 @@ class DatasetSource:
         self._epoch = 0
         self._step = 0  # steps yielded in the current epoch
         self._start = 0  # where the next iter() starts (set by load_state_dict)
+        self._dealing: Dealing | None = None  # set by an elastic restore, for its epoch only
         self._plan: _Epoch | None = None
 
     # -- what every rank can compute -----------------------------------------------------
@@ -222,7 +233,12 @@ class DatasetSource:
             raise ConfigError(
                 f"step must be < {plan.num_steps} (steps in epoch {plan.epoch}), but got {step}."
             )
-        unit = step * self._num_ranks + rank
+        if step < plan.dealing.base_step:
+            raise ConfigError(
+                f"step {step} comes before the position this source was restored at (step "
+                f"{plan.dealing.base_step}, on {plan.dealing.num_ranks} ranks before)."
+            )
+        unit = plan.dealing.unit(step, rank)
         return [plan.order[positions] for positions in plan.packed.step(unit)]
 
     def read(self, indices: Sequence[int]) -> list[Any]:
@@ -279,29 +295,38 @@ class DatasetSource:
         """Plan epoch ``epoch`` (its own permutation); the next iteration starts at step 0."""
         self._epoch = check_int("epoch", epoch)
         self._step = self._start = 0
+        self._dealing = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The position (epoch, steps yielded) and what must match on restore (plain data)."""
+        """The position (epoch, steps yielded, how the epoch is dealt) and what must match on
+        restore (plain data). It holds nothing about this rank: every rank at the same step
+        has the same state."""
         return {
             "format": STATE_FORMAT,
             "version": STATE_VERSION,
             "epoch": self._epoch,
             "step": self._step,
+            "dealing": self._epoch_plan().dealing.to_state(),
             **self._identity(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at a saved position: the next iteration yields the steps after it, bitwise
-        the same (the epoch's packing is recomputed from the lengths and the seed)."""
+        the same (the epoch's packing is recomputed from the lengths and the seed).
+
+        A state saved with a different ``num_ranks`` (any rank's: they are all the same) is
+        restored elastically: the units of the epoch not yet consumed are dealt to this
+        source's ranks, each exactly once, and step numbers continue at the saved step."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ResumeError(
                 f"A DatasetSource state must be the dict its state_dict() returned, but got "
                 f"{state!r:.120}."
             )
-        if state.get("version") != STATE_VERSION:
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
             raise ResumeError(
-                f"The state has version {state.get('version')!r}; this evenflow reads "
-                f"version {STATE_VERSION}."
+                f"The state has version {version!r}; this evenflow reads versions 1 and "
+                f"{STATE_VERSION}."
             )
         for key, value in self._identity().items():
             if state.get(key) != value:
@@ -315,17 +340,27 @@ class DatasetSource:
                 raise ResumeError(f"state[{name!r}] must be a non-negative integer, got {value!r}.")
         assert isinstance(epoch, int) and isinstance(step, int)
         self.set_epoch(epoch)
-        if step > len(self):
+        plan = self._epoch_plan()
+        num_units = plan.packed.num_steps
+        if version == 1:  # saved before elastic restores existed: one dealing per epoch
+            ranks = check_int("state['num_ranks']", state.get("num_ranks"), minimum=1)
+            saved = Dealing(0, 0, ranks)
+        else:
+            saved = Dealing.from_state(state.get("dealing") or {}, num_units)
+        if not saved.base_step <= step <= saved.num_steps(num_units):
             raise ResumeError(
-                f"The state is at step {step}, beyond the {len(self)} steps of epoch {epoch}."
+                f"The state is at step {step}, beyond the {saved.num_steps(num_units)} steps of "
+                f"epoch {epoch} (or before its restored position)."
             )
+        dealing = saved.rebase(step, self._num_ranks)
+        if dealing != plan.dealing:
+            self._dealing = dealing
+            self._plan = None
         self._step = self._start = step
 
     def _identity(self) -> dict[str, Any]:
         return {
             "seed": self._seed,
-            "rank": self._rank,
-            "num_ranks": self._num_ranks,
             "num_samples": len(self._lengths),
             "lengths_fingerprint": self._fingerprint,
             "packing": {
@@ -342,7 +377,8 @@ class DatasetSource:
 
     def _epoch_plan(self) -> _Epoch:
         plan = self._plan
-        if plan is not None and plan.epoch == self._epoch:
+        dealing = self._dealing or Dealing(0, 0, self._num_ranks)
+        if plan is not None and plan.epoch == self._epoch and plan.dealing == dealing:
             return plan
         epoch = self._epoch
         order = self._eligible
@@ -356,10 +392,9 @@ class DatasetSource:
             packer=self._packer,
             buffer_tokens=self._buffer_tokens,
         )
-        num_steps = packed.num_steps // self._num_ranks
-        delivered = order[
-            packed.items[: packed.bin_offsets[num_steps * self._num_ranks * self._bins_per_rank]]
-        ]
+        num_steps = dealing.num_steps(packed.num_steps)
+        end = dealing.end_unit(packed.num_steps)
+        delivered = order[packed.items[: packed.bin_offsets[end * self._bins_per_rank]]]
         report = SourceReport(
             epoch=epoch,
             num_steps=num_steps,
@@ -368,7 +403,7 @@ class DatasetSource:
             num_dropped_tokens=int(self._lengths.sum() - self._lengths[delivered].sum()),
             num_oversized_dropped=len(self._lengths) - self._eligible.size,
         )
-        plan = self._plan = _Epoch(epoch, order, packed, num_steps, report)
+        plan = self._plan = _Epoch(epoch, order, packed, dealing, num_steps, report)
         logger.info("%s", report.log_line(f"DatasetSource (rank {self._rank}/{self._num_ranks})"))
         return plan
 
