@@ -6,7 +6,9 @@ packing, ``seq_len`` 131,072, ~4 samples per bin: the mix where single samples o
 ranks) runs through the loader with ``balance_window=1`` and with ``balance_window=W``. Each
 rank simulates its training step from the plan (sleep proportional to the cost the plan gives
 it, then a small all-reduce, so every step waits for the slowest rank), with one sleep scale
-for both configurations. Figures per configuration: steps per second over the timed steps
+for both configurations, and ``prefetch_depth=W`` for both (with less, the next window is read
+only as the caller takes this one, and its planning, exchanges and packing must then fit in
+the caller's last step of the window). Figures per configuration: steps per second over the timed steps
 (after one window of warm-up), the median step time, the data stall, and the planned cost
 (the sum over timed steps of the slowest rank's planned cost), and the loader's own outlier
 figures (the share of steps that are outlier-bound, and of the planned cost their outliers
@@ -80,6 +82,7 @@ def _run(window: int, rank: int, spec: dict[str, Any], k: float) -> dict[str, An
         seq_len=_SEQ_LEN,
         bins_per_rank=_BINS,
         balance_window=window,
+        prefetch_depth=spec["window"],
         timeout=spec["timeout"],
         log_stats=False,
     )
