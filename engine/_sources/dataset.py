@@ -78,8 +78,9 @@ class DatasetSource:
     (shared storage, or the same Hugging Face dataset on every node): the source yields
     :class:`IndexedSample` items, the loader plans dataset indices, and each rank reads the
     samples assigned to it with :meth:`read` on ``read_threads`` threads after planning, so
-    no payload crosses the network. The loader refuses a group whose ranks see different
-    datasets (:meth:`dataset_identity`).
+    no payload crosses the network (``read`` then runs on several threads at once: the
+    dataset must allow concurrent reads, or pass ``read_threads=1``). The loader refuses a
+    group whose ranks see different datasets (:meth:`dataset_identity`).
 
     Its state is global: the same on every rank at the same step, and restorable onto a
     different number of ranks (the rest of the epoch is dealt to them).
