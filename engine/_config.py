@@ -48,8 +48,12 @@ class LoaderConfig:
             included (see the reference for the arithmetic). Only meaningful with a device.
         min_balance_gain: a re-balanced layout is used only when it lowers the objective by
             strictly more than this fraction (``0.0`` = any strict improvement).
-        objective: ``"makespan"`` (the slowest rank's cost) or ``"balance"`` (squared
-            coefficient of variation of rank costs).
+        objective: ``"makespan"`` (the slowest rank's cost: DDP, where a rank runs its
+            microbatches without waiting for the others), ``"lockstep"`` (the sum over
+            microbatch positions of the slowest rank there, every rank's bins delivered
+            costliest first: FSDP, pipeline schedules, tensor parallelism across the
+            data-parallel group, where ranks synchronise at every microbatch) or ``"balance"``
+            (squared coefficient of variation of rank costs).
         balance: ``False`` keeps every source layout (same pipeline, no movement); useful as a
             baseline.
         oversized_policy: ``"error"`` rejects samples longer than ``seq_len``; ``"single"`` lets
@@ -89,7 +93,7 @@ class LoaderConfig:
     prefetch_depth: int = 2
     device_prefetch_depth: int | None = None
     min_balance_gain: float = 0.0
-    objective: Literal["makespan", "balance"] = "makespan"
+    objective: Literal["makespan", "lockstep", "balance"] = "makespan"
     balance: bool = True
     oversized_policy: OversizedPolicy = "error"
     packing_budgets: Mapping[str, float] | None = field(default=None, hash=False)
@@ -137,7 +141,7 @@ class LoaderConfig:
             strict_maximum=True,
         )
         object.__setattr__(self, "min_balance_gain", gain)
-        check_choice("LoaderConfig.objective", self.objective, ("makespan", "balance"))
+        check_choice("LoaderConfig.objective", self.objective, ("makespan", "lockstep", "balance"))
         check_bool("LoaderConfig.balance", self.balance)
         check_choice("LoaderConfig.planning", self.planning, ("replicated", "leader"))
         timeout = check_number(

@@ -37,17 +37,36 @@ Costs enter in the planner's canonical order and every sum is a numpy reduction 
 in that order, so the bound is a pure function of the step like the plan itself. Bounds 3 and
 4 take differences of prefix sums, which may round up by a few units in the last place; they
 are scaled down by :data:`_ROUNDING` so that rounding can never lift them above the optimum.
+
+**Lockstep and windows** (additive costs, from arrays: :func:`lockstep_lower_bound`,
+:func:`window_lower_bound`). A lockstep step costs ``Σ_b max_r cost(r, b)``, at least its
+makespan, so every makespan bound holds for it. Besides: sort the samples that need a bin of
+their own (longer than half of ``seq_len``, or oversized) by cost, descending, ``h_1 ≥ h_2 ≥
+…``, and the positions by their maxima ``m_1 ≥ … ≥ m_B``. The bins at positions ``k..B`` cost
+at most ``m_k`` and positions ``1..k-1`` hold only ``(k-1)·R`` bins, so ``m_k ≥
+h_{(k-1)R+1}``: the cost is at least ``Σ_k h_{(k-1)R+1}``. A window of ``W`` steps is the same
+argument over ``W`` groups of ``R·B`` bins (makespan: each step's slowest rank holds at least
+its costliest sample) or ``W·B`` groups of ``R`` bins (lockstep); and the sum of the steps'
+costs is at least the total over ``R`` (bound 1) and the costliest sample (bound 2).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from evenflow.engine._planning.problem import BalanceProblem
 
-__all__ = ["StepBound", "step_bound"]
+__all__ = [
+    "StepBound",
+    "lockstep_lower_bound",
+    "makespan_lower_bound",
+    "outlier_bound",
+    "step_bound",
+    "window_lower_bound",
+]
 
 # Bound 4 is computed for this many of the costliest samples (each costs O(num_samples)).
 _CAPACITY_CANDIDATES = 4
@@ -200,3 +219,71 @@ def _fractional_cover(
     if t_last == 0:
         return c_before
     return c_before + c_last * (want - t_before) / t_last
+
+
+# -- from arrays: lockstep steps and windows (see the module docstring) -----------------------
+
+
+def makespan_lower_bound(costs: np.ndarray, num_ranks: int) -> float:
+    """Bounds 1 and 2 of :func:`step_bound` from costs alone (no problem at hand); 0 if empty."""
+    values = np.asarray(costs, dtype=np.float64)
+    if values.size == 0:
+        return 0.0
+    return max(math.fsum(values.tolist()) / num_ranks, float(values.max()))
+
+
+def _alone_bound(
+    costs: np.ndarray, tokens: np.ndarray, seq_len: int, per_group: int, num_groups: int
+) -> float:
+    """``Σ_k h_{(k-1)·per_group + 1}`` over ``num_groups`` groups (see the module docstring)."""
+    alone = np.asarray(costs, dtype=np.float64)[2 * np.asarray(tokens) > seq_len]
+    if alone.size == 0:
+        return 0.0
+    ordered = -np.sort(-alone)
+    return math.fsum(ordered[::per_group][:num_groups].tolist())
+
+
+def lockstep_lower_bound(
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    num_ranks: int,
+    bins_per_rank: int,
+    seq_len: int,
+    *,
+    makespan_bound: float = 0.0,
+) -> float:
+    """No layout of these samples has a lower ``Σ_b max_r``; ``makespan_bound``: a proven
+    bound on the step's makespan (:func:`step_bound`), which bounds it too."""
+    return max(
+        makespan_bound,
+        makespan_lower_bound(costs, num_ranks),
+        _alone_bound(costs, tokens, seq_len, num_ranks, bins_per_rank),
+    )
+
+
+def window_lower_bound(
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    *,
+    num_ranks: int,
+    bins_per_rank: int,
+    num_steps: int,
+    seq_len: int,
+    objective: str,
+) -> float:
+    """No layout of a window's samples into ``num_steps`` steps has a lower sum of step costs
+    (``objective``: ``"makespan"`` or ``"lockstep"``, the step cost being summed)."""
+    base = makespan_lower_bound(costs, num_ranks)
+    if objective == "lockstep":
+        alone = _alone_bound(costs, tokens, seq_len, num_ranks, num_steps * bins_per_rank)
+    else:
+        alone = _alone_bound(costs, tokens, seq_len, num_ranks * bins_per_rank, num_steps)
+    return max(base, alone)
+
+
+def outlier_bound(costs: np.ndarray, num_ranks: int) -> bool:
+    """Whether the costliest sample costs more than the mean rank (see :class:`StepBound`)."""
+    values = np.asarray(costs, dtype=np.float64)
+    if values.size == 0:
+        return False
+    return float(values.max()) > math.fsum(values.tolist()) / num_ranks

@@ -8,6 +8,13 @@ candidates.
 ``makespan``
     The largest rank cost: a synchronous step waits for its slowest rank, so this is the
     predicted step time in cost units.
+``lockstep``
+    ``Σ_b max_r cost(r, b)``: ranks that synchronise at every microbatch (FSDP, pipeline
+    schedules, tensor parallelism across the data-parallel group) wait at each position ``b``
+    for the slowest rank's ``b``-th bin. It reads an ``(R, B)`` matrix of bin costs and sorts
+    each rank's bins by cost, descending, first: the order the planner delivers them in, and
+    the best order for a fixed assignment of bins to ranks. A vector (one bin per rank) scores
+    as its maximum, like ``makespan``.
 ``balance``
     The squared coefficient of variation ``mean((c / mean(c) - 1) ** 2)``. The costs are first
     divided by their maximum so that FLOPs-sized values (1e15 and more) cannot overflow when
@@ -24,7 +31,15 @@ import numpy as np
 
 from evenflow.engine.errors import ConfigError
 
-__all__ = ["OBJECTIVES", "Objective", "balance", "makespan", "objective_name", "resolve_objective"]
+__all__ = [
+    "OBJECTIVES",
+    "Objective",
+    "balance",
+    "lockstep",
+    "makespan",
+    "objective_name",
+    "resolve_objective",
+]
 
 Objective = Callable[[np.ndarray], float]
 
@@ -34,6 +49,21 @@ def makespan(rank_costs: np.ndarray) -> float:
     if rank_costs.size == 0:
         return 0.0
     return float(np.max(rank_costs))
+
+
+def lockstep(bin_costs: np.ndarray) -> float:
+    """Sum over bin positions of the costliest bin there, each rank's bins sorted descending.
+
+    ``bin_costs[r, b]`` is the cost of rank ``r``'s ``b``-th bin; a 1-D vector is one bin per
+    rank. 0 for an empty matrix.
+    """
+    costs = np.asarray(bin_costs, dtype=np.float64)
+    if costs.size == 0:
+        return 0.0
+    if costs.ndim == 1:
+        return float(np.max(costs))
+    ordered = -np.sort(-costs, axis=1)
+    return math.fsum(ordered.max(axis=0).tolist())
 
 
 def balance(rank_costs: np.ndarray) -> float:
@@ -51,7 +81,7 @@ def balance(rank_costs: np.ndarray) -> float:
     return math.fsum((deviations * deviations).tolist()) / count
 
 
-OBJECTIVES: dict[str, Objective] = {"makespan": makespan, "balance": balance}
+OBJECTIVES: dict[str, Objective] = {"makespan": makespan, "balance": balance, "lockstep": lockstep}
 
 
 def resolve_objective(name: object) -> Objective:

@@ -37,8 +37,9 @@ from evenflow.engine._planning.columns import (
     raise_duplicate,
     strictly_increasing,
 )
+from evenflow.engine._planning.lockstep import bin_cost_matrix, order_bins
 from evenflow.engine._planning.native import core_identity
-from evenflow.engine._planning.objectives import resolve_objective
+from evenflow.engine._planning.objectives import lockstep, resolve_objective
 from evenflow.engine._planning.problem import (
     BalanceProblem,
     BalancingAlgorithm,
@@ -86,7 +87,8 @@ class Planner:
     ``num_ranks`` ranks hold ``bins_per_rank`` packed sequences of ``seq_len`` tokens each.
     ``cost_model``: anything :func:`evenflow.engine._planning.cost.resolve_cost_model` accepts.
     ``algorithm``: ``"default"`` (= ``"refine"``), ``"lpt"`` or an object with
-    ``assign(problem)``. ``objective``: ``"makespan"`` or ``"balance"``.
+    ``assign(problem)``. ``objective``: ``"makespan"``, ``"lockstep"`` or ``"balance"``; under
+    ``"lockstep"`` every rank's bins are delivered costliest first, the source's too.
     ``min_balance_gain`` in [0, 1): the candidate replaces the source layout only when
     ``(original - candidate) / original > min_balance_gain``. ``oversized_policy`` and
     ``packing_budgets`` define feasibility (see :class:`PackingConstraints`).
@@ -130,6 +132,7 @@ class Planner:
         self._last_keys: Sequence[SampleKey] = ()
         self._last_values: np.ndarray = np.zeros(0, dtype=np.float64)
         self._last_costs: dict[SampleKey, float] | None = {}
+        self._last_layout: tuple[BalanceProblem, np.ndarray, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -245,7 +248,7 @@ class Planner:
 
         source_rank = problem._rank_of_flat(source_flat, source_sizes)
         source_costs = problem.rank_costs_of(source_rank)
-        original = self._score(source_costs)
+        original = self._score(source_costs, problem, source_flat, source_sizes)
         candidate = self.algorithm.assign(problem)
         flat, sizes, dest_rank = source_flat, source_sizes, source_rank
         if candidate is None:
@@ -255,7 +258,7 @@ class Planner:
             flat, sizes = self._check_candidate(problem, candidate, keys, metas)
             dest_rank = problem._rank_of_flat(flat, sizes)
             candidate_costs = problem.rank_costs_of(dest_rank)
-            candidate_score = self._score(candidate_costs)
+            candidate_score = self._score(candidate_costs, problem, flat, sizes)
         gain = (original - candidate_score) / original if original > 0 else 0.0
         accepted = candidate is not None and gain > self.min_balance_gain
         if not accepted:
@@ -269,6 +272,12 @@ class Planner:
                 dest_rank = problem._rank_of_flat(flat, sizes)
                 candidate_costs = problem.rank_costs_of(dest_rank)
             candidate_final_costs = candidate_costs
+        if self.objective is lockstep:
+            # Positions align across ranks: every rank's bins costliest first (the source's
+            # too, which moves nothing and is what its score above assumed).
+            flat, sizes = order_bins(flat, sizes, bin_cost_matrix(problem, flat, sizes))
+        # The accepted layout in canonical indices, for the window planner built on this one.
+        self._last_layout = (problem, flat, sizes)
         bound = step_bound(problem)
         decision = BalanceDecision(
             objective=self.objective_name,
@@ -319,12 +328,13 @@ class Planner:
         scalar = weighted.max(axis=1) if reduce_max else weighted.sum(axis=1)
         num_ranks = self.num_ranks
 
-        def rank_costs(rank_of: np.ndarray) -> np.ndarray:
+        def rank_costs(rank_of: np.ndarray, num: int = num_ranks) -> np.ndarray:
             # Per-rank component sums, then the model's own combination of them: with
             # reduce="max" a rank costs its slowest component, not the sum of sample scalars.
+            # ``num`` groups other than ranks (bins, under lockstep) the same way.
             sums = np.stack(
                 [
-                    np.bincount(rank_of, weights=parts[:, c], minlength=num_ranks)
+                    np.bincount(rank_of, weights=parts[:, c], minlength=num)
                     for c in range(parts.shape[1])
                 ],
                 axis=1,
@@ -415,12 +425,18 @@ class Planner:
 
     def _layout_score(self, problem: BalanceProblem) -> Any:
         def score(flat: np.ndarray, sizes: np.ndarray) -> float:
-            return self._score(problem.rank_costs_of(problem._rank_of_flat(flat, sizes)))
+            rank_costs = problem.rank_costs_of(problem._rank_of_flat(flat, sizes))
+            return self._score(rank_costs, problem, flat, sizes)
 
         return score
 
-    def _score(self, rank_costs: np.ndarray) -> float:
-        value = float(self.objective(rank_costs))
+    def _score(
+        self, rank_costs: np.ndarray, problem: BalanceProblem, flat: np.ndarray, sizes: np.ndarray
+    ) -> float:
+        if self.objective is lockstep:
+            value = lockstep(bin_cost_matrix(problem, flat, sizes))
+        else:
+            value = float(self.objective(rank_costs))
         if not math.isfinite(value) or value < 0:
             raise PlanningError(
                 f"objective {self.objective_name!r} returned {value!r}; it must be finite and >= 0."

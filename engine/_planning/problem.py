@@ -28,7 +28,8 @@ __all__ = [
     "first_infeasible_bin",
 ]
 
-RankCostFn = Callable[[np.ndarray], np.ndarray]
+# ``fn(rank_of)`` per rank; the planner's accepts ``fn(group_of, num_groups)`` as well.
+RankCostFn = Callable[..., np.ndarray]
 
 
 @dataclass(frozen=True, eq=False)

@@ -35,6 +35,10 @@ never dead-ends and is never worse than either of them:
    makespan allows: ``settle.py``) and the one that moves fewer samples is returned. Among
    layouts of equal objective the planner so prefers the one that moves least.
 
+Under the ``lockstep`` objective the same algorithm runs the method of ``lockstep.py``: it
+balances the step as ``R·B`` one-bin ranks with the steps above, deals the bins into positions
+by cost and searches position by position (see that module).
+
 Budget: the search stops after ``max_iterations`` improvement attempts (by default
 proportional to the number of samples) or when the most loaded rank admits no improving
 change (``makespan``) / no rank does (``balance``). Deterministic: no randomness, ties go to
@@ -59,8 +63,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from evenflow.engine._planning.lockstep import lockstep_assign
 from evenflow.engine._planning.lpt import lpt_layout
-from evenflow.engine._planning.objectives import makespan
+from evenflow.engine._planning.objectives import lockstep, makespan
 from evenflow.engine._planning.problem import (
     BalanceProblem,
     FlatLayout,
@@ -117,6 +122,8 @@ class RefineAlgorithm:
 
     def assign(self, problem: BalanceProblem) -> Sequence[Sequence[int]] | None:
         """The refined layout (a ``FlatLayout``), or ``None`` when nothing beats the source."""
+        if problem.objective is lockstep:
+            return lockstep_assign(problem, self.assign)
         if problem.num_ranks < 2:
             return None
         # Layouts travel as (flat, sizes) arrays, each scored once: at 100,000 samples a pass

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._planning import native
-from evenflow.engine._planning.objectives import makespan
+from evenflow.engine._planning.objectives import lockstep, makespan
 from evenflow.engine._planning.problem import BalanceProblem
 
 __all__ = ["home_bins", "settle"]
@@ -62,7 +62,9 @@ def settle(
     """
     n = problem.num_samples
     w = np.ones(n, dtype=np.int64) if weights is None else np.ascontiguousarray(weights, np.int64)
-    homecoming = problem.objective is makespan and not problem.constraints.budgets
+    # Under lockstep homecoming keeps every rank's total at or below the makespan but may
+    # raise a position's maximum; the score check below then drops it.
+    homecoming = problem.objective in (makespan, lockstep) and not problem.constraints.budgets
     limit = -1.0
     if homecoming:
         rank_of = np.repeat(np.arange(sizes.size, dtype=np.int64) // problem.bins_per_rank, sizes)

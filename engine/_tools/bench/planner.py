@@ -37,6 +37,9 @@ from evenflow.engine._planning import native
 from evenflow.engine._planning import planner as _planner
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.registry import resolve_algorithm
+from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
+from evenflow.engine._tools.bench.planner_lockstep import print_lockstep, run_lockstep
+from evenflow.engine._tools.bench.planner_window import WINDOW_MIXES, print_window, run_window
 from evenflow.engine.errors import ConfigError
 from evenflow.engine.workloads import DISTRIBUTIONS, PACKERS, make_step
 
@@ -481,7 +484,40 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-skip", action="store_true", help=f"also run cases with over {_MAX_BINS} bins"
     )
+    add_objective_arguments(parser)
+    add_report_only(parser)
     return parser
+
+
+def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of the lockstep and window tables (their own modules)."""
+    parser.add_argument(
+        "--lockstep",
+        action="store_true",
+        help="instead of the default tables: the lockstep cost of the source, the makespan plan "
+        "(in order and with sorted bins) and the lockstep plan, over the same sweep",
+    )
+    parser.add_argument(
+        "--window",
+        type=int,
+        nargs="+",
+        metavar="W",
+        help="instead of the default tables: plan windows of W steps (e.g. 1 2 4 8) on the "
+        f"mixes {sorted(WINDOW_MIXES)} at 8 and 64 ranks x 1, 2, 4 bins",
+    )
+    parser.add_argument(
+        "--mixes", nargs="+", choices=sorted(WINDOW_MIXES), help="--window: the length mixes"
+    )
+    parser.add_argument(
+        "--costs", nargs="+", choices=("quadratic", "flops"), help="--window: the cost models"
+    )
+    parser.add_argument(
+        "--objectives",
+        nargs="+",
+        choices=("makespan", "lockstep"),
+        default=["makespan"],
+        help="--window: the objectives whose step costs are summed (default makespan)",
+    )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -679,6 +715,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
     except ConfigError as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    if args.window:
+        return _window_main(args, prog)
+    if args.lockstep:
+        return _lockstep_main(args, prog)
     planner_cls = _planner.Planner  # looked up per run, so a test may substitute one
     cases, skipped = _sweep(args)
     started = time.perf_counter()
@@ -717,3 +757,46 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
         _print_tables(doc, cases)
         print(f"wall time {doc['wall_s']:.1f} s; {'OK' if doc['ok'] else 'INVARIANT VIOLATED'}")
     return 0 if doc["ok"] else 1
+
+
+def _window_main(args: argparse.Namespace, prog: str) -> int:
+    for value in args.window:
+        if value < 1:
+            print(f"{prog}: --window values must be >= 1, but got {value!r}.", file=sys.stderr)
+            return 2
+    doc = run_window(
+        windows=args.window,
+        ranks=args.ranks,
+        bins=args.bins,
+        mixes=args.mixes,
+        costs=args.costs,
+        objectives=args.objectives,
+        steps=args.steps,
+        seed=args.seed,
+        quick=args.quick,
+    )
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print_window(doc)
+        print(f"wall time {doc['wall_s']:.1f} s")
+    return targets_status(doc["targets"], report_only=args.report_only, prog=prog)
+
+
+def _lockstep_main(args: argparse.Namespace, prog: str) -> int:
+    quick = args.quick
+    doc = run_lockstep(
+        ranks=args.ranks or ((8,) if quick else _RANKS),
+        bins=args.bins or ((4,) if quick else _BINS),
+        linear=args.linear or ((0.0, 24576.0) if quick else _LINEAR),
+        distributions=args.distributions or sorted(DISTRIBUTIONS),
+        packers=args.packers or PACKERS,
+        steps=args.steps or (2 if quick else None),
+        seed=args.seed,
+    )
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print_lockstep(doc)
+        print(f"wall time {doc['wall_s']:.1f} s")
+    return targets_status(doc["targets"], report_only=args.report_only, prog=prog)
