@@ -7,15 +7,14 @@ ranks) runs through the loader with ``balance_window=1`` and with ``balance_wind
 rank simulates its training step from the plan (sleep proportional to the cost the plan gives
 it, then a small all-reduce, so every step waits for the slowest rank), with one sleep scale
 for both configurations, and ``prefetch_depth=W`` for both (with less, the next window is read
-only as the caller takes this one, and its planning, exchanges and packing must then fit in
-the caller's last step of the window). Figures per configuration: steps per second over the
-timed steps (after one window of warm-up), the median step time, the data stall, and the
-planned cost (the sum over timed steps of the slowest rank's planned cost), and the loader's own outlier
-figures (the share of steps that are outlier-bound, and of the planned cost their outliers
-add above perfectly balanced steps). The ratio of measured
-throughputs is printed beside the ratio the plans predict; the target asks the pipeline to
-deliver at least 90% of the predicted gain (or, where the plans predict none, to cost no
-more than 10%).
+only as the caller takes this one, and its planning, exchanges and packing must then fit in the
+caller's last step of the window). Figures per configuration: steps per second over the timed
+steps (after one window of warm-up), the median step time, the data stall, and the planned cost
+(the sum over timed steps of the slowest rank's planned cost), and the loader's own outlier
+figures (the share of steps that are outlier-bound, and of the planned cost their outliers add
+above perfectly balanced steps). The ratio of measured throughputs is printed beside the ratio
+the plans predict; the target asks the pipeline to deliver at least 90% of the predicted gain
+(or, where the plans predict none, to cost no more than 10%).
 """
 
 from __future__ import annotations
