@@ -147,6 +147,16 @@ def test_deadline_kills_the_hanging_rank_and_names_it(pool: RankPool, tmp_path: 
 
 
 @pytest.mark.multiprocess
+def test_a_slow_start_up_is_not_blamed_on_a_collective() -> None:
+    # No rank can import torch and join a group in 10 ms: the deadline passes in start-up.
+    with pytest.raises(RankDeadlineError) as info:
+        run_ranks(_rank_identity, 2, args=[0], deadline=0.01)
+    text = str(info.value)
+    assert text.startswith("start-up did not finish") or "used up by start-up" in text
+    assert "collective" not in text and "raise the deadline" in text
+
+
+@pytest.mark.multiprocess
 def test_run_ranks_reraises_a_rank_exception_with_its_traceback() -> None:
     with pytest.raises(RankFailedError) as info:
         run_ranks(_rank_raise, 2, deadline=120.0)

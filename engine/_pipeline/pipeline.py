@@ -129,6 +129,7 @@ class Pipeline:
             source_executor=source_executor,
             initial_iter=initial_iter,
             prepare_payloads=assigned is None and transport.num_ranks > 1,
+            constraints=planner.constraints,
         )
         self._config = config
         self._transport = transport

@@ -3,7 +3,10 @@
 A sync iterator is advanced on the source executor (its ``next()`` may block on I/O); an
 async one on the loop, with the description (the user's ``metadata_fn``) on the CPU executor.
 A failure is recorded on the step (stage ``"source"``, or ``"metadata"`` when
-``metadata_fn`` raised) so that it is announced to the group like any other.
+``metadata_fn`` raised) so that it is announced to the group like any other. A bin that
+breaks the packing constraints (more than ``seq_len`` tokens, or over a packing budget) fails
+here, on the rank whose source yielded it, with a message about the source's step and bin;
+the planner would only see it later, as a bin of its own input.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
-from evenflow.engine._model import SampleMetadata
+from evenflow.engine._model import PackingConstraints, SampleMetadata
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import ConfigError
 from evenflow.transports import Prepared, prepare
@@ -42,8 +45,10 @@ class SourceReader:
         source_executor: concurrent.futures.Executor,
         initial_iter: Iterator[Any] | None = None,
         prepare_payloads: bool = False,
+        constraints: PackingConstraints | None = None,
     ) -> None:
         self._source = source
+        self._constraints = constraints
         # Payload mode on a group: each sample is prepared for the wire when it is read, so
         # its frame size can travel in the metadata round (and an unencodable sample fails
         # here, announced like any read error, before any size is announced).
@@ -68,12 +73,12 @@ class SourceReader:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
                 loop = asyncio.get_running_loop()
-                described = await loop.run_in_executor(self._cpu, self._describe, raw)
+                described = await loop.run_in_executor(self._cpu, self._describe, raw, step)
                 state.source_state = self._source_state()
                 if self._prepare:
                     state.prepared = await loop.run_in_executor(self._cpu, _prepared, described[0])
             else:
-                result = await self._on_source_thread(self._read_sync)
+                result = await self._on_source_thread(functools.partial(self._read_sync, step))
                 if result is None:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
@@ -150,17 +155,17 @@ class SourceReader:
         state_dict = getattr(self._source, "state_dict", None)
         return state_dict() if callable(state_dict) else None
 
-    def _read_sync(self) -> tuple[Described, Any, list[Prepared] | None] | None:
+    def _read_sync(self, step: int) -> tuple[Described, Any, list[Prepared] | None] | None:
         assert isinstance(self._iter, Iterator)
         try:
             raw = next(self._iter)
         except StopIteration:
             return None
-        described = self._describe(raw)
+        described = self._describe(raw, step)
         prepared = _prepared(described[0]) if self._prepare else None
         return described, self._source_state(), prepared
 
-    def _describe(self, raw: Any) -> Described:
+    def _describe(self, raw: Any, step: int) -> Described:
         """The step's samples (bin after bin, the objects themselves), bin sizes, metadata."""
         n = self._bins_per_rank
         if isinstance(raw, (str, bytes)) or not hasattr(raw, "__len__") or len(raw) != n:
@@ -189,7 +194,48 @@ class SourceReader:
         except Exception as exc:
             exc._evenflow_stage = "metadata"  # type: ignore[attr-defined]
             raise
-        return samples, list(map(len, bins)), metas
+        sizes = list(map(len, bins))
+        self._check_bins(step, sizes, metas)
+        return samples, sizes, metas
+
+    def _check_bins(self, step: int, sizes: list[int], metas: list[SampleMetadata]) -> None:
+        """Raise a ConfigError naming the source's step and bin when a bin cannot be packed."""
+        c = self._constraints
+        if c is None:
+            return
+        budgets = c.budgets
+        start = 0
+        for b, size in enumerate(sizes):
+            members = metas[start : start + size]
+            start += size
+            tokens = sum(m.tokens for m in members)
+            where = f"Source step {step}, bin {b}"
+            if tokens > c.seq_len and not (size == 1 and c.oversized_policy == "single"):
+                if size == 1:
+                    fix = (
+                        "drop or split such samples in the source, or set "
+                        "LoaderConfig.oversized_policy='single' if pack_fn accepts a sample "
+                        "longer than seq_len alone in its bin"
+                    )
+                else:
+                    fix = (
+                        "the source must pack each bin within seq_len (DatasetSource and "
+                        "IterableSource do), or raise LoaderConfig.seq_len"
+                    )
+                raise ConfigError(
+                    f"{where} holds {tokens} tokens in {size} sample(s), more than "
+                    f"seq_len={c.seq_len}; {fix}."
+                )
+            for name, budget in budgets.items():
+                total = 0.0
+                for m in members:  # sample by sample, in bin order, as the planner adds
+                    total += m.packing_costs.get(name, 0.0)
+                if total > budget:
+                    raise ConfigError(
+                        f"{where} has packing_costs[{name!r}] summing to {total!r}, over "
+                        f"packing_budgets[{name!r}]={budget!r}; the source must pack each bin "
+                        "within the packing budgets, or raise the budget."
+                    )
 
     def _describe_sample(self, sample: Any) -> SampleMetadata:
         meta = self._metadata_fn(sample)

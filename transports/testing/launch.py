@@ -553,11 +553,18 @@ class RankPool:
         for rank in still_running:
             outcomes[rank] = ("killed", f"rank {rank} was killed by the launcher")
         if first_failure is None:
+            hint = (
+                # Start-up runs no collective of the caller's: spawning, importing and joining
+                # the process group were merely slow (a loaded machine, a cold import cache).
+                "Start-up spawns the processes, imports the code and joins the process group; "
+                "raise the deadline if the machine is busy."
+                if what == "start-up"
+                else "Look for a rank blocked in a collective, or raise the deadline."
+            )
             raise RankDeadlineError(
                 f"{what} did not finish within its deadline of {budget:g} s: rank(s) "
                 f"{', '.join(map(str, still_running))} of {self._num_ranks} were still running "
-                f"and were killed (SIGKILL). Look for a rank blocked in a collective, or raise "
-                f"the deadline.",
+                f"and were killed (SIGKILL). {hint}",
                 ranks=still_running,
                 deadline=budget,
             )

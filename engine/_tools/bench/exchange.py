@@ -53,6 +53,7 @@ import numpy as np
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._sources.dataset import DatasetSource
+from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.transports import Prepared, Transport
 from evenflow.transports._gloo import GlooTransport
 from evenflow.transports._protocol import pack_outgoing
@@ -468,25 +469,37 @@ def _print_modes(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v < 1 for v in values):
+def _positive_int(text: str) -> int:
+    if "," in text:  # every evenflow command takes lists as separate values
+        spaced = " ".join(part.strip() for part in text.split(","))
         raise argparse.ArgumentTypeError(
-            f"expected a comma-separated list of positive integers, got {text!r}."
+            f"lists are space-separated, as in every evenflow command: write {spaced}, not {text}."
         )
-    return values
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}.")
+    return value
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange") -> int:
-    """Run the benchmark; print a table (or JSON with ``--json``). Returns 0."""
+    """Run the benchmark; print a table (or JSON with ``--json``). Returns 0, or 1 when a
+    target was missed (0 with ``--report-only``)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     parser.add_argument("--quick", action="store_true", help="2 ranks, 1 MiB, 2 repeats")
-    parser.add_argument("--ranks", type=_positive_ints, default=None, help="e.g. 2,4")
-    parser.add_argument("--sizes-mib", type=_positive_ints, default=None, help="e.g. 1,4,16,64")
+    parser.add_argument(
+        "--ranks", type=_positive_int, nargs="+", default=None, help="world sizes (default 2 4)"
+    )
+    parser.add_argument(
+        "--sizes-mib",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        help="payload sizes per rank in MiB (default 1 4 16 64)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
     parser.add_argument("--seed", type=int, default=0, help="payload seed (default 0)")
     parser.add_argument(
@@ -496,6 +509,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
         help="steps of the payload vs shared-dataset comparison (0 skips it; default 24, 4 "
         "with --quick)",
     )
+    add_report_only(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     ranks = args.ranks or ([2] if args.quick else [2, 4])
     sizes = args.sizes_mib or ([1] if args.quick else [1, 4, 16, 64])
@@ -541,4 +555,5 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
         _print_table(rows, targets, repeats)
         if modes:
             _print_modes(modes)
-    return 0
+    named = [{"name": f"{t['target']} ({t['case']})", "status": t["status"]} for t in targets]
+    return targets_status(named, report_only=args.report_only, prog=prog)

@@ -482,7 +482,9 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         "--exact-instances", type=int, help="small instances solved exactly (default 50)"
     )
     parser.add_argument(
-        "--no-skip", action="store_true", help=f"also run cases with over {_MAX_BINS} bins"
+        "--no-skip",
+        action="store_true",
+        help=f"also run cases with over {_MAX_BINS:,} bins per step",
     )
     add_objective_arguments(parser)
     add_report_only(parser)

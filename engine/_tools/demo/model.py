@@ -18,30 +18,18 @@ sizes but would not be for thousands of tiny samples; the LM head and norms are 
 
 from __future__ import annotations
 
-import hashlib
-import math
-import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from evenflow.engine._model import SampleMetadata
 from evenflow.engine._pipeline.pack import IGNORE_INDEX
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import ConfigError
 
-__all__ = [
-    "TinyCausalLM",
-    "TinyConfig",
-    "MeasuredCost",
-    "packed_loss",
-    "time_per_sample",
-]
+__all__ = ["TinyCausalLM", "TinyConfig", "packed_loss"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,89 +145,19 @@ class TinyCausalLM(nn.Module):
         return F.linear(self.norm(x), self.embed.weight)
 
 
-def packed_loss(logits: torch.Tensor, labels: torch.Tensor) -> Any:
-    """Mean next-token cross-entropy of a packed sequence, the way Hugging Face computes it.
+def packed_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[Any, int]:
+    """Summed next-token cross-entropy of a packed sequence and the number of tokens it covers.
 
-    ``labels`` (``[1, T]`` or ``[T]``) are shifted by one: position ``i`` predicts label
-    ``i + 1``, and labels of -100 are skipped. The packed labels hold -100 at every sample's
-    first position, so the last position of a sample never predicts the next sample.
+    ``labels`` (``[1, T]`` or ``[T]``) are shifted by one, as Hugging Face models do inside
+    their loss: position ``i`` predicts label ``i + 1``, and labels of -100 are skipped. The
+    packed labels hold -100 at every sample's first position, so the last position of a
+    sample never predicts the next sample. The sum (not the mean) is what a data-parallel loop
+    needs: divided by the loss tokens of the whole world, it gives every token the same weight
+    whichever rank and bin the plan put it in.
     """
     targets = labels.reshape(-1)[1:].long()
     keep = targets != IGNORE_INDEX
-    if not bool(keep.any()):  # only one-token samples: nothing to predict, zero loss
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits[:-1][keep], targets[keep])
-
-
-def time_per_sample(model: TinyCausalLM, seq_len: int, lengths: Sequence[int]) -> list[float]:
-    """Seconds of forward + backward per sample, for samples of each of ``lengths``.
-
-    Each length is timed as one packed sequence full of samples of that length (``seq_len //
-    length`` of them), the shape the model trains on, so the share of per-sequence overhead
-    and the per-sample attention calls are what training sees. One untimed pass first, so the
-    first timing does not pay for lazy initialisation. Gradients are discarded.
-    """
-    check_int("seq_len", seq_len, minimum=1)
-    for length in lengths:
-        check_int("lengths[i]", length, minimum=1)
-        if length > seq_len:
-            raise ValueError(f"lengths holds {length!r}, more than seq_len={seq_len!r}.")
-    generator = torch.Generator().manual_seed(0)
-
-    def one(length: int) -> float:
-        count = seq_len // length
-        ids = torch.randint(0, model.config.vocab_size, (1, count * length), generator=generator)
-        positions = torch.arange(length).repeat(count)[None]
-        cu = torch.arange(0, count * length + 1, length, dtype=torch.int32)
-        labels = ids.masked_fill(positions == 0, IGNORE_INDEX)
-        start = time.perf_counter()
-        packed_loss(model(ids, positions, cu), labels).backward()
-        elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return elapsed / count
-
-    if lengths:
-        one(max(lengths))
-    return [one(length) for length in lengths]
-
-
-class MeasuredCost:
-    """A cost model interpolating measured seconds per sample (log-log, piecewise linear).
-
-    On a CPU, attention over long samples costs more than ``L²`` suggests (the ``L x L`` scores
-    stop fitting in cache), so a measured table predicts this model's step time better than
-    any closed form. Below the shortest measured length the cost scales linearly with ``L``;
-    above the longest it follows the last segment's slope.
-    """
-
-    def __init__(self, lengths: Sequence[int], seconds: Sequence[float]) -> None:
-        pairs = sorted(zip(lengths, seconds, strict=True))
-        if not pairs or any(n <= 0 or not (s > 0 and math.isfinite(s)) for n, s in pairs):
-            raise ValueError(
-                f"lengths and seconds must be non-empty, positive and finite, but got "
-                f"{list(lengths)!r} and {list(seconds)!r}."
-            )
-        self._log_lengths = np.log([float(n) for n, _ in pairs])
-        self._log_seconds = np.log([s for _, s in pairs])
-        self.lengths = tuple(int(n) for n, _ in pairs)
-        self.seconds = tuple(float(s) for _, s in pairs)
-        digest = hashlib.sha256(repr((self.lengths, self.seconds)).encode()).hexdigest()[:16]
-        self.model_id = f"demo-measured-{digest}"
-
-    def __call__(self, meta: SampleMetadata) -> float:
-        x = math.log(meta.tokens)
-        xs, ys = self._log_lengths, self._log_seconds
-        if x <= xs[0]:
-            return float(math.exp(ys[0] + (x - xs[0])))
-        if x >= xs[-1]:
-            if len(xs) == 1:
-                return float(math.exp(ys[0] + (x - xs[0])))
-            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-            return float(math.exp(ys[-1] + slope * (x - xs[-1])))
-        return float(math.exp(np.interp(x, xs, ys)))
-
-    def __repr__(self) -> str:
-        table = ", ".join(
-            f"{n}: {s * 1e3:.3g} ms" for n, s in zip(self.lengths, self.seconds, strict=True)
-        )
-        return f"MeasuredCost({{{table}}})"
+    count = int(keep.sum())
+    if count == 0:  # only one-token samples: nothing to predict, zero loss
+        return logits.sum() * 0.0, 0
+    return F.cross_entropy(logits[:-1][keep], targets[keep], reduction="sum"), count

@@ -1,13 +1,15 @@
-"""The report of ``evenflow demo``: numbers from the ranks' results, text, JSON, trace and plot.
+"""The report of ``evenflow demo``: figures from the ranks' results, as JSON, files and text.
 
 :func:`build_report` turns what every rank returned into one plain-data document (the
-``--json`` output and ``report.json``); :func:`write_outputs` merges the per-rank Chrome traces
-into one Perfetto-loadable file per run and draws ``demo.png`` when matplotlib is installed
-(it is the optional ``bench`` extra: without it the plot is skipped, never an error);
-:func:`format_report` renders the text a person reads, one line of meaning per figure.
+``--json`` output and ``report.json``); :func:`write_outputs` merges each arm's per-rank Chrome
+traces into one Perfetto-loadable file and draws ``demo.png`` (:mod:`.plot`, skipped with a
+reason when matplotlib is missing); :func:`format_report` renders the text a person reads,
+every figure with what it means.
 
-Averages leave out step 0 of each run: it pays for filling the pipeline and for the first
-touches of the optimizer state, in both runs alike.
+Averages leave out step 0 of each arm: it pays for filling the pipeline and for the first
+touches of the optimizer state, in every arm alike. A *predicted* speedup is the planner's:
+the sum over steps of the slowest rank's predicted compute before balancing over the same
+sum after (each rank's bins' fixed cost included); a *measured* one divides mean step times.
 """
 
 from __future__ import annotations
@@ -18,31 +20,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from evenflow.engine._tools.demo.calibrate import FittedCost
+from evenflow.engine._tools.demo.plot import write_plot
+from evenflow.engine._tools.demo.rank import ARM_LABELS
 from evenflow.engine._tracing import merge_chrome_traces
 
-__all__ = ["build_report", "format_report", "write_outputs"]
+__all__ = [
+    "CALIBRATION_TOLERANCE",
+    "CORE_SHARE_WARNING",
+    "build_report",
+    "format_report",
+    "write_outputs",
+]
 
-_RUNS = ("unbalanced", "balanced")
-_RUN_LABELS = {"unbalanced": "balancing off", "balanced": "balanced"}
-# Stages shown in the timeline, top to bottom; others (if any) follow in name order.
-_STAGE_ORDER = (
-    "read",
-    "source",
-    "metadata",
-    "gather",
-    "plan",
-    "exchange",
-    "pack",
-    "collate",
-    "h2d",
-    "wait",
-    "train/forward+backward",
-    "train/all-reduce",
-    "train/optimizer",
-)
-# The loader's own "compute" span covers the same interval as the train/* spans.
-_HIDDEN_STAGES = frozenset({"compute"})
-_MAX_TIMELINE_RANKS = 4
+#: Beyond this relative disagreement between the cost model and measured compute, the report
+#: says the calibration does not hold.
+CALIBRATION_TOLERANCE = 0.2
+#: Below this share of CPU time in the ranks' compute (wall clock), the machine is busy with
+#: other work and the report says so.
+CORE_SHARE_WARNING = 0.9
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -53,50 +49,151 @@ def _timed(steps: Sequence[Any]) -> Sequence[Any]:
     return steps[1:] if len(steps) > 1 else steps
 
 
-def _run_summary(run: str, results: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    per_rank = [r["runs"][run] for r in results]
+def _arm_summary(arm: str, results: Sequence[dict[str, Any]], per_bin: float) -> dict[str, Any]:
+    per_rank = [r["arms"][arm] for r in results]
+    num_ranks = len(per_rank)
     num_steps = min(len(p["steps"]) for p in per_rank)
     if num_steps == 0:
-        raise ValueError(f"The {run} run delivered no step; nothing to report.")
+        raise ValueError(f"The {ARM_LABELS[arm]} arm delivered no step; nothing to report.")
     steps = [[p["steps"][s] for p in per_rank] for s in range(num_steps)]
     timed = _timed(steps)
-    compute = [[row[r]["compute_s"] for row in timed] for r in range(len(per_rank))]
     imbalance = [
-        max(x["compute_s"] for x in row) / _mean([x["compute_s"] for x in row])
+        max(x["compute_cpu_s"] for x in row) / _mean([x["compute_cpu_s"] for x in row])
         for row in timed
-        if _mean([x["compute_s"] for x in row]) > 0
+        if _mean([x["compute_cpu_s"] for x in row]) > 0
     ]
     step_time = [max(x["step_s"] for x in row) for row in timed]
-    tokens = [sum(x["tokens"] for x in row) for row in timed]
-    stats = per_rank[0]["stats"]
-    predicted = [
-        max(s["cost_after"]) / _mean(s["cost_after"]) for s in stats if _mean(s["cost_after"]) > 0
-    ]
+    # The slowest rank's CPU time of compute, step by step: the step time dedicated cores
+    # would give (no other process delays a rank), besides the sync and optimizer time.
+    cpu_bound = sum(max(x["compute_cpu_s"] for x in row) for row in timed)
+    wall = sum(sum(x["compute_s"] for x in row) for row in timed)
+    cpu = sum(sum(x["compute_cpu_s"] for x in row) for row in timed)
+    stats = _timed(per_rank[0]["stats"])
+    bins = len(steps[0][0]["bins"])
+    fixed = bins * per_bin  # every rank trains the same number of bins
+    before = sum(max(s["cost_before"]) + fixed for s in stats)
+    after = sum(max(s["cost_after"]) + fixed for s in stats)
     return {
+        "label": ARM_LABELS[arm],
         "num_steps": num_steps,
         "num_timed_steps": len(timed),
-        "compute_per_rank_s": [_mean(c) for c in compute],
-        "compute_per_rank_per_step_s": [
-            [row[r]["compute_s"] for row in steps] for r in range(len(per_rank))
+        "compute_per_rank_s": [
+            _mean([row[r]["compute_s"] for row in timed]) for r in range(num_ranks)
         ],
-        "sync_per_rank_s": [
-            _mean([row[r]["sync_s"] for row in timed]) for r in range(len(per_rank))
+        "compute_cpu_per_rank_s": [
+            _mean([row[r]["compute_cpu_s"] for row in timed]) for r in range(num_ranks)
         ],
+        "slowest_cpu_compute_s": cpu_bound,
+        "core_share": cpu / wall if wall > 0 else 1.0,
+        "sync_per_rank_s": [_mean([row[r]["sync_s"] for row in timed]) for r in range(num_ranks)],
         "imbalance": _mean(imbalance),
-        "predicted_imbalance": _mean(predicted),
+        "predicted_imbalance": _mean(
+            [max(s["cost_after"]) / _mean(s["cost_after"]) for s in stats if _mean(s["cost_after"])]
+        ),
+        "predicted_imbalance_before": _mean(
+            [
+                max(s["cost_before"]) / _mean(s["cost_before"])
+                for s in stats
+                if _mean(s["cost_before"])
+            ]
+        ),
+        "predicted_speedup": before / after if after > 0 else 1.0,
         "step_time_s": _mean(step_time),
         "step_times_s": [max(x["step_s"] for x in row) for row in steps],
-        "tokens_per_s": sum(tokens) / sum(step_time) if sum(step_time) > 0 else 0.0,
-        "data_stall_fraction": _mean([p["data_stall_fraction"] for p in per_rank]),
-        "data_stall_fraction_max": max(p["data_stall_fraction"] for p in per_rank),
+        "tokens_per_s": sum(sum(x["tokens"] for x in row) for row in timed) / sum(step_time)
+        if sum(step_time) > 0
+        else 0.0,
+        "data_stall_fraction": sum(sum(x["wait_s"] for x in row) for row in timed)
+        / max(sum(sum(x["step_s"] for x in row) for row in timed), 1e-12),
         "samples": sum(sum(x["samples"] for x in row) for row in steps),
-        "samples_moved": sum(s["num_moved"] for s in stats),
-        "plans_accepted": sum(1 for s in stats if s["accepted"]),
-        "sum_max_cost_before": sum(s["max_cost_before"] for s in _timed(stats)),
-        "sum_max_cost_after": sum(s["max_cost_after"] for s in _timed(stats)),
-        "loss_first": _mean([x["loss"] for x in steps[0]]),
-        "loss_last": _mean([x["loss"] for x in steps[-1]]),
+        "samples_moved": sum(s["num_moved"] for s in per_rank[0]["stats"]),
+        "plans_accepted": sum(1 for s in per_rank[0]["stats"] if s["accepted"]),
+        "losses": [row[0]["loss"] for row in steps],
+        "timeline": [
+            [
+                {
+                    k: row[r][k]
+                    for k in (
+                        "start_unix",
+                        "wait_s",
+                        "compute_s",
+                        "sync_s",
+                        "optimizer_s",
+                    )
+                }
+                for row in steps
+            ]
+            for r in range(num_ranks)
+        ],
         "chrome": [p["chrome"] for p in per_rank],
+    }
+
+
+def _calibration_check(
+    arms: Sequence[str], results: Sequence[dict[str, Any]], cost: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Measured bin compute against the fitted model's prediction, over every timed bin."""
+    coefficients = cost.get("coefficients")
+    if not coefficients:
+        return None
+    model = FittedCost(**coefficients)
+    measured, predicted, ratios = 0.0, 0.0, []
+    for result in results:
+        for arm in arms:
+            for step in _timed(result["arms"][arm]["steps"]):
+                for lengths, seconds in step["bins"]:
+                    guess = model.bin_seconds(lengths)
+                    measured += seconds
+                    predicted += guess
+                    if guess > 0:
+                        ratios.append(seconds / guess)
+    if predicted <= 0 or not ratios:
+        return None
+    ratio = measured / predicted
+    spread = statistics.median(abs(r / ratio - 1.0) for r in ratios)
+    return {
+        "measured_over_predicted": ratio,
+        "median_bin_error": spread,
+        "bins": len(ratios),
+        "holds": abs(ratio - 1.0) <= CALIBRATION_TOLERANCE,
+    }
+
+
+def _refit(arms: Sequence[str], results: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Re-calibrate on the sequences training measured, and predict every arm again with it.
+
+    The model fitted at start-up decided the plans; this one is fitted afterwards to every
+    timed packed sequence of every arm, so it saw the machine exactly as training did. Each
+    arm's prediction then takes, step by step, the slowest rank's sum of re-fitted bin costs
+    over the bins that rank really trained (the source's layout with balancing off, the
+    plan's otherwise).
+    """
+    lengths, seconds = [], []
+    for result in results:
+        for arm in arms:
+            for step in _timed(result["arms"][arm]["steps"]):
+                for bin_lengths, bin_seconds in step["bins"]:
+                    lengths.append(bin_lengths)
+                    seconds.append(bin_seconds)
+    if len(lengths) < 8 or min(seconds, default=0.0) <= 0:
+        return None
+    fitted = FittedCost.fit(lengths, seconds)
+    slowest = {}
+    for arm in arms:
+        per_rank = [_timed(r["arms"][arm]["steps"]) for r in results]
+        slowest[arm] = sum(
+            max(
+                sum(fitted.bin_seconds(b) for b, _ in rank_steps[s]["bins"])
+                for rank_steps in per_rank
+            )
+            for s in range(min(len(p) for p in per_rank))
+        )
+    return {
+        "formula": fitted.describe(),
+        "coefficients": fitted.as_dict(),
+        "predicted_speedup": {
+            arm: slowest["off"] / slowest[arm] if slowest[arm] > 0 else 1.0 for arm in arms
+        },
     }
 
 
@@ -104,254 +201,221 @@ def build_report(
     spec: dict[str, Any], num_ranks: int, results: Sequence[dict[str, Any]], *, wall_s: float
 ) -> dict[str, Any]:
     """One plain-data document from every rank's result (``results[rank]``)."""
-    runs = {run: _run_summary(run, results) for run in _RUNS}
-    off, on = runs["unbalanced"], runs["balanced"]
-    predicted = (
-        on["sum_max_cost_before"] / on["sum_max_cost_after"] if on["sum_max_cost_after"] else 1.0
-    )
-    summary = {
-        "compute_per_rank_before_s": off["compute_per_rank_s"],
-        "compute_per_rank_after_s": on["compute_per_rank_s"],
-        "imbalance_before": off["imbalance"],
-        "imbalance_after": on["imbalance"],
-        "predicted_imbalance_before": off["predicted_imbalance"],
-        "predicted_imbalance_after": on["predicted_imbalance"],
-        "samples_moved": on["samples_moved"],
-        "samples": on["samples"],
-        "plans_accepted": on["plans_accepted"],
-        "data_stall_fraction_before": off["data_stall_fraction"],
-        "data_stall_fraction_after": on["data_stall_fraction"],
-        "step_time_before_s": off["step_time_s"],
-        "step_time_after_s": on["step_time_s"],
-        "speedup": off["step_time_s"] / on["step_time_s"] if on["step_time_s"] > 0 else 0.0,
-        "predicted_speedup": predicted,
-        "loss_first": on["loss_first"],
-        "loss_last": on["loss_last"],
-    }
+    cost = results[0]["cost_model"]
+    per_bin = float(cost.get("coefficients", {}).get("per_bin", 0.0))
+    names = list(spec["arms"])
+    arms = {name: _arm_summary(name, results, per_bin) for name in names}
+    off = arms["off"]
+    for name, arm in arms.items():
+        arm["speedup"] = off["step_time_s"] / arm["step_time_s"] if arm["step_time_s"] else 0.0
+        cpu = arm["slowest_cpu_compute_s"]
+        arm["cpu_speedup"] = off["slowest_cpu_compute_s"] / cpu if cpu > 0 else 0.0
+        if name == "off":
+            arm["predicted_speedup"] = 1.0
+    check = _calibration_check(names, results, cost)
+    refit = _refit(names, results) if check is not None else None
+    if refit is not None:
+        for name, arm in arms.items():
+            arm["refit_predicted_speedup"] = refit["predicted_speedup"][name]
+    warnings = []
+    share = _mean([arm["core_share"] for arm in arms.values()])
+    if share < CORE_SHARE_WARNING:
+        warnings.append(
+            f"the ranks ran only {share:.0%} of the time they spent computing: other processes "
+            "share these cores, so step times (wall clock) are noisy and the measured speedup "
+            "understates balancing; the CPU-time speedup is what dedicated cores would see."
+        )
+    if check is not None and not check["holds"]:
+        warnings.append(
+            f"measured compute was {check['measured_over_predicted']:.2f}x what the cost model "
+            f"predicted (more than {CALIBRATION_TOLERANCE:.0%} off): the machine ran at another "
+            "speed while training than while calibrating (other jobs?), so the predicted "
+            "figures are less reliable than usual."
+        )
     return {
         "command": "demo",
         "config": {
             "ranks": num_ranks,
+            "cores": spec["cores"],
+            "threads_per_rank": spec["threads_per_rank"],
             "steps": spec["steps"],
-            "data": spec["data"],
-            "distribution": spec["distribution"] if spec["data"] == "synthetic" else None,
             "seq_len": spec["seq_len"],
             "bins_per_rank": spec["bins_per_rank"],
+            "window": spec["window"] if "window" in names else None,
+            "arms": names,
             "algorithm": spec["algorithm"],
-            "cost_model": results[0]["cost_model"],
+            "data": {
+                "name": "the Python standard library's sources, one function or class a "
+                "document, bytes as tokens",
+                "documents": results[0]["documents"],
+            },
+            "cost_model": cost,
             "model": {
                 "hidden_size": spec["hidden_size"],
                 "layers": spec["layers"],
                 "heads": spec["heads"],
                 "parameters": results[0]["parameters"],
             },
-            "threads_per_rank": spec["threads_per_rank"],
+            "lr": spec["lr"],
             "seed": spec["seed"],
         },
-        "summary": summary,
-        "runs": runs,
+        "arms": arms,
+        "calibration_check": check,
+        "refit": refit,
+        "warnings": warnings,
         "files": {},
         "wall_s": wall_s,
     }
 
 
-# -- files --------------------------------------------------------------------------------------
-
-
 def write_outputs(report: dict[str, Any], out: Path) -> None:
-    """Merge traces, draw the plot and write ``report.json``; records paths in ``report``."""
-
+    """Merge traces, draw the plot and write ``report.json``; records the paths in ``report``."""
     files: dict[str, Any] = report["files"]
-    for run, name in (("balanced", "trace.json"), ("unbalanced", "trace-unbalanced.json")):
-        paths = [p for p in report["runs"][run]["chrome"] if p]
+    for name, arm in report["arms"].items():
+        paths = [p for p in arm["chrome"] if p]
         if paths:
-            files[f"trace_{run}"] = str(merge_chrome_traces(paths, out / name))
-    files["trace"] = files.get("trace_balanced")
-    files["plot"], files["plot_skipped"] = _write_plot(report, out / "demo.png")
+            files[f"trace_{name}"] = str(merge_chrome_traces(paths, out / f"trace-{name}.json"))
+    files["plot"], files["plot_skipped"] = write_plot(report, out / "demo.png")
     files["report"] = str(out / "report.json")
     Path(files["report"]).write_text(json.dumps(report, indent=1), encoding="utf-8")
-
-
-def _timeline(trace: str) -> dict[tuple[int, str], list[tuple[float, float]]]:
-    """``(rank, stage) -> [(start_s, duration_s)]`` from a merged Chrome trace."""
-    document = json.loads(Path(trace).read_text(encoding="utf-8"))
-    names: dict[tuple[int, int], str] = {}
-    spans: list[tuple[int, int, float, float]] = []
-    for event in document["traceEvents"]:
-        if event.get("ph") == "M" and event.get("name") == "thread_name":
-            names[(event["pid"], event["tid"])] = event["args"]["name"]
-        elif event.get("ph") == "X":
-            spans.append((event["pid"], event["tid"], event["ts"] * 1e-6, event["dur"] * 1e-6))
-    origin = min((s[2] for s in spans), default=0.0)
-    lanes: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for pid, tid, start, duration in spans:
-        stage = names.get((pid, tid), str(tid))
-        if stage not in _HIDDEN_STAGES:
-            lanes.setdefault((pid, stage), []).append((start - origin, duration))
-    return lanes
-
-
-def _write_plot(report: dict[str, Any], path: Path) -> tuple[str | None, str | None]:
-    """Draw ``path``; returns ``(path, None)`` or ``(None, why it was skipped)``."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None, "matplotlib is not installed (pip install 'evenflow[bench]')"
-    runs = report["runs"]
-    num_ranks = report["config"]["ranks"]
-    fig, (bars, timeline) = plt.subplots(
-        2, 1, figsize=(11, 8.5), gridspec_kw={"height_ratios": [1, 1.6]}
-    )
-    width = 0.38
-    colors = {"unbalanced": "#d62728", "balanced": "#2ca02c"}
-    for i, run in enumerate(_RUNS):
-        values = runs[run]["compute_per_rank_s"]
-        xs = [r + (i - 0.5) * width for r in range(num_ranks)]
-        bars.bar(
-            xs,
-            values,
-            width,
-            color=colors[run],
-            alpha=0.8,
-            label=f"compute per rank, {_RUN_LABELS[run]}",
-        )
-        bars.axhline(
-            runs[run]["step_time_s"],
-            color=colors[run],
-            linestyle="--",
-            linewidth=1.2,
-            label=f"step time, {_RUN_LABELS[run]} ({runs[run]['step_time_s']:.3f} s)",
-        )
-    bars.set_xticks(range(num_ranks), [f"rank {r}" for r in range(num_ranks)])
-    bars.set_ylabel("seconds per step (mean)")
-    bars.set_title("Forward+backward time per rank; every rank waits for the slowest (dashed)")
-    bars.legend(fontsize=8, loc="lower center", ncol=2, framealpha=0.9)
-    trace = report["files"].get("trace_balanced")
-    if trace:
-        lanes = _timeline(trace)
-        ranks = sorted({rank for rank, _ in lanes})[:_MAX_TIMELINE_RANKS]
-        known = [s for s in _STAGE_ORDER if any((r, s) in lanes for r in ranks)]
-        extra = sorted({s for _, s in lanes} - set(known) - _HIDDEN_STAGES)
-        stages = known + extra
-        cmap = plt.get_cmap("tab20")
-        labels: list[str] = []
-        y = 0
-        for rank in ranks:
-            for k, stage in enumerate(stages):
-                intervals = lanes.get((rank, stage))
-                if intervals:
-                    timeline.broken_barh(intervals, (y - 0.4, 0.8), color=cmap(k % 20))
-                    labels.append(f"r{rank} {stage}")
-                    y += 1
-        timeline.set_yticks(range(len(labels)), labels, fontsize=7)
-        timeline.invert_yaxis()
-        timeline.set_xlabel("seconds since the balanced run's first span")
-        shown = "" if len(ranks) == num_ranks else f" (ranks 0-{len(ranks) - 1} of {num_ranks})"
-        timeline.set_title(f"Per-stage timeline of the balanced run{shown}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return str(path), None
 
 
 # -- text ---------------------------------------------------------------------------------------
 
 
-def _pct(value: float) -> str:
-    return f"{value * 100:.1f}%"
-
-
 def format_report(report: dict[str, Any]) -> str:
-    """The human-readable report: every figure with one line saying what it means."""
-    c, s, runs, files = report["config"], report["summary"], report["runs"], report["files"]
-    data = (
-        f"{c['distribution']} lengths scaled to seq_len {c['seq_len']}"
-        if c["data"] == "synthetic"
-        else f"Python standard library source as bytes, seq_len {c['seq_len']}"
-    )
-    model = c["model"]
+    """The text a person reads: what ran, what balancing changed, and where the files are."""
+    c, arms, files = report["config"], report["arms"], report["files"]
+    names = list(arms)
+    off = arms["off"]
+    model, cost = c["model"], c["cost_model"]
     lines = [
-        f"evenflow demo: {c['ranks']} ranks x {runs['balanced']['num_steps']} steps x "
-        f"{c['bins_per_rank']} packed sequences per rank; {data}",
+        f"evenflow demo: {c['ranks']} ranks ({c['cores']} CPU cores, {c['threads_per_rank']} "
+        f"thread(s) a rank) x {off['num_steps']} steps x {c['bins_per_rank']} packed sequences "
+        f"of up to {c['seq_len']:,} tokens per rank",
+        f"data: {c['data']['documents']:,} documents of {c['data']['name']}; DatasetSource "
+        "shuffles them and packs each rank's steps first-fit",
         f"model: causal transformer, {model['layers']} layers x {model['hidden_size']} wide, "
-        f"{model['parameters'] / 1e6:.2f}M parameters; algorithm {c['algorithm']}; cost model "
-        f"{c['cost_model']['name']} ({c['cost_model']['formula']})",
-        f"averages over steps 1-{runs['balanced']['num_steps'] - 1} (step 0 fills the pipeline)",
+        f"{model['parameters'] / 1e6:.2f}M parameters, attention within each sample; loss = "
+        "summed token loss / the world's loss tokens",
+        f"cost model: {cost['name']}: {cost['formula']}"
+        + (f" (timed in {cost['calibration_s']:.1f} s)" if "calibration_s" in cost else ""),
+        "arms: "
+        + ", ".join(arms[n]["label"] for n in names)
+        + (f" ({c['window']} steps planned together)" if c.get("window") else "")
+        + "; the same steps from the same weights, one step of each arm in turn",
+        f"averages over steps 1-{off['num_steps'] - 1} (step 0 fills the pipeline)",
         "",
-        f"{'':34}{'balancing off':>14}{'balanced':>11}",
+        f"{'':32}" + "".join(f"{arms[n]['label']:>20}" for n in names),
     ]
 
-    def row(label: str, before: str, after: str, meaning: str) -> None:
-        lines.append(f"{label:<34}{before:>14}{after:>11}   {meaning}")
+    def row(label: str, values: Sequence[str], meaning: str = "") -> None:
+        lines.append(f"{label:<32}" + "".join(f"{v:>20}" for v in values) + f"   {meaning}")
 
-    for rank, (b, a) in enumerate(
-        zip(s["compute_per_rank_before_s"], s["compute_per_rank_after_s"], strict=True)
-    ):
-        row(
-            f"compute, rank {rank} (s/step)",
-            f"{b:.3f}",
-            f"{a:.3f}",
-            "forward+backward time of this rank's packed sequences" if rank == 0 else "",
-        )
-    row(
-        "max/mean imbalance (measured)",
-        f"{s['imbalance_before']:.2f}",
-        f"{s['imbalance_after']:.2f}",
-        "slowest rank's compute / average rank's (1.00 = even)",
-    )
-    row(
-        "max/mean imbalance (predicted)",
-        f"{s['predicted_imbalance_before']:.2f}",
-        f"{s['predicted_imbalance_after']:.2f}",
-        "the same ratio from the cost model's costs",
-    )
     row(
         "step time (s)",
-        f"{s['step_time_before_s']:.3f}",
-        f"{s['step_time_after_s']:.3f}",
-        "wall time of one training step; all ranks wait for the slowest",
+        [f"{arms[n]['step_time_s']:.3f}" for n in names],
+        "one training step; every rank waits for the slowest",
+    )
+    for r in range(c["ranks"]):
+        row(
+            f"compute, rank {r} (CPU s/step)",
+            [f"{arms[n]['compute_cpu_per_rank_s'][r]:.3f}" for n in names],
+            "forward+backward of this rank's packed sequences" if r == 0 else "",
+        )
+    row(
+        "share of cores",
+        [f"{arms[n]['core_share'] * 100:.0f}%" for n in names],
+        "CPU time / wall time of compute (100% = the ranks had their cores)",
+    )
+    row(
+        "imbalance, measured",
+        [f"{arms[n]['imbalance']:.2f}" for n in names],
+        "slowest rank's compute / average rank's, step by step (1.00 = even)",
+    )
+    row(
+        "imbalance, predicted",
+        [f"{arms[n]['predicted_imbalance']:.2f}" for n in names],
+        "the same ratio from the cost model",
     )
     row(
         "data stall",
-        _pct(s["data_stall_fraction_before"]),
-        _pct(s["data_stall_fraction_after"]),
-        "share of the loop's time spent waiting for the next batch",
+        [f"{arms[n]['data_stall_fraction'] * 100:.1f}%" for n in names],
+        "share of step time spent waiting for the next batch",
     )
     row(
-        "throughput (tokens/s, all ranks)",
-        f"{runs['unbalanced']['tokens_per_s']:.0f}",
-        f"{runs['balanced']['tokens_per_s']:.0f}",
-        "tokens trained per second of step time",
+        "samples moved",
+        [f"{arms[n]['samples_moved']} of {arms[n]['samples']}" for n in names],
+        "samples the plans sent to another rank",
+    )
+    row(
+        "loss, first -> last step",
+        [f"{arms[n]['losses'][0]:.2f} -> {arms[n]['losses'][-1]:.2f}" for n in names],
+        "mean next-token loss over the world's tokens",
     )
     lines.append("")
-    lines.append(
-        f"speedup: {s['speedup']:.2f}x   balanced step time vs balancing off, measured side by "
-        f"side on the same data (the cost model predicted {s['predicted_speedup']:.2f}x)"
+    row(
+        "speedup, measured",
+        [f"{arms[n]['speedup']:.2f}x" for n in names],
+        "step time of balancing off / this arm's (wall clock)",
     )
-    lines.append(
-        f"samples moved: {s['samples_moved']} of {s['samples']}   samples the plans sent to "
-        f"another rank ({s['plans_accepted']} of {runs['balanced']['num_steps']} plans accepted)"
+    row(
+        "speedup, predicted",
+        [f"{arms[n]['predicted_speedup']:.2f}x" for n in names],
+        "by the cost model the plans used (fitted at start-up)",
     )
-    lines.append(
-        f"loss: {s['loss_first']:.3f} -> {s['loss_last']:.3f}   mean next-token loss, first vs "
-        "last balanced step (real training, not a simulation)"
-    )
-    if files.get("trace"):
-        lines.append(
-            f"trace: {files['trace']}   open in https://ui.perfetto.dev: one process per rank, "
-            "one track per stage (balancing off: "
-            f"{Path(files.get('trace_unbalanced') or '').name or 'n/a'})"
+    if all("refit_predicted_speedup" in arms[n] for n in names):
+        row(
+            "speedup, re-predicted",
+            [f"{arms[n]['refit_predicted_speedup']:.2f}x" for n in names],
+            "by that model re-fitted to the sequences training timed",
         )
+    row(
+        "speedup, CPU time",
+        [f"{arms[n]['cpu_speedup']:.2f}x" for n in names],
+        "of the slowest rank's compute: what dedicated cores would see",
+    )
+    lines.append("")
+    for name in names[1:]:
+        arm = arms[name]
+        lines.append(
+            f"{arm['label']}: steps {arm['speedup']:.2f}x as fast as with balancing off, "
+            f"measured side by side ({arm['predicted_speedup']:.2f}x predicted)"
+        )
+    lines.append(
+        f"loss: {off['losses'][0]:.2f} -> {off['losses'][-1]:.2f} in {off['num_steps']} steps "
+        f"(random guessing over 256 bytes: 5.55); every arm trains the same samples, so their "
+        "losses agree: balancing changes where a sample trains, not what the model learns"
+    )
+    check = report.get("calibration_check")
+    if check is not None:
+        verdict = "holds" if check["holds"] else "does NOT hold"
+        lines.append(
+            f"calibration {verdict}: measured compute was {check['measured_over_predicted']:.2f}x "
+            f"the cost model's prediction over {check['bins']:,} packed sequences (median "
+            f"error of one sequence {check['median_bin_error'] * 100:.0f}%)"
+        )
+    if report.get("refit"):
+        lines.append(
+            "re-calibrated on the sequences training timed: "
+            f"{report['refit']['formula']}; the re-prediction applies it to the bins each rank "
+            "really trained"
+        )
+    for warning in report.get("warnings", []):
+        lines.append(f"warning: {warning}")
+    lines.append("")
+    lines.append("files:")
+    for name in names:
+        trace = files.get(f"trace_{name}")
+        if trace:
+            lines.append(f"  {trace}   Perfetto trace of {arms[name]['label']} (ui.perfetto.dev)")
     if files.get("plot"):
         lines.append(
-            f"plot: {files['plot']}   top: compute per rank before/after and step times; "
-            "bottom: per-stage timeline of the balanced run"
+            f"  {files['plot']}   plot: compute per rank and step time per arm; who waits, step "
+            "by step"
         )
     else:
-        lines.append(f"plot: skipped, {files.get('plot_skipped')}")
-    lines.append(f"report: {files.get('report')}   everything above as JSON")
+        lines.append(f"  plot skipped: {files.get('plot_skipped')}")
+    lines.append(f"  {files.get('report')}   everything above as JSON")
     lines.append(f"wall time: {report['wall_s']:.1f} s")
     return "\n".join(lines)
