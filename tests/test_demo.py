@@ -341,8 +341,9 @@ def test_demo_trains_two_ranks_and_writes_the_report(
         assert 0 <= arm["samples_moved"] <= arm["samples"]
         assert 0.0 <= arm["data_stall_fraction"] <= 1.0
     assert arms["off"]["samples_moved"] == 0
-    # The same samples from the same weights: every arm sees the same first loss.
-    first = {round(arm["losses"][0], 4) for arm in arms.values()}
+    # The same samples from the same weights: the per-step arms see the same first loss (a
+    # balance window may train samples read in a later step of its window first).
+    first = {round(arm["losses"][0], 4) for name, arm in arms.items() if name != "window"}
     assert len(first) == 1 and 4.5 < first.pop() < 6.5
     assert report["calibration_check"]["bins"] > 0
     assert report["config"]["cost_model"]["name"] == "calibrated"
