@@ -48,6 +48,9 @@ def test_quick_json_run_reports_every_field(capsys: pytest.CaptureFixture[str]) 
             record = case[name]
             assert set(record) == {
                 "ratio",
+                "gap",
+                "moved",
+                "moved_tokens",
                 "rejected",
                 "fallbacks",
                 "strictly_better",
@@ -58,6 +61,9 @@ def test_quick_json_run_reports_every_field(capsys: pytest.CaptureFixture[str]) 
             assert record["ratio"]["p50"] >= 1 - 1e-9
             assert record["ratio"]["p50"] <= record["ratio"]["p90"] <= record["ratio"]["max"]
             assert record["plan_ms"]["p50"] > 0
+            assert 0.0 <= record["moved"]["p50"] <= record["moved"]["max"] <= 1.0
+            assert 0.0 <= record["moved_tokens"]["p50"] <= 1.0
+            assert record["gap"]["p50"] >= 0.0
         assert case["default"]["ratio"]["max"] <= case["source_ratio"]["max"] * (1 + 1e-9)
     targets = doc["timing_targets"]
     assert [(t["num_ranks"], t["statistic"]) for t in targets] == [(8, "p99"), (1024, "p50")]
@@ -199,3 +205,31 @@ def test_core_name_says_which_implementation_is_timed() -> None:
     from evenflow.engine._planning import native
 
     assert _bench_planner._core_name() == f"compiled (core version {native.CORE_VERSION})"
+
+
+def test_baseline_runs_the_same_steps_in_another_interpreter(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # This build against itself: the same plans, so no step is worse and movement matches.
+    argv = ["--quick", "--ranks", "8", "--bins", "4", "--distributions", "sft"]
+    argv += ["--linear", "0", "--exact-instances", "0", "--baseline", sys.executable]
+    code, out, _ = _run(capsys, [*argv, "--json"])
+    assert code == 0
+    baseline = json.loads(out)["baseline"]
+    assert baseline["python"] == sys.executable
+    assert baseline["steps_worse_than_baseline"] == 0
+    for shape in baseline["shapes"]:
+        assert shape["steps"] == 2
+        assert shape["moved"]["p50"] == pytest.approx(shape["base_moved"]["p50"])
+        assert shape["ratio"]["p50"] == pytest.approx(shape["base_ratio"]["p50"])
+    code, out, _ = _run(capsys, argv)
+    assert code == 0
+    assert "side by side with the baseline build" in out
+    assert "steps where default's max cost exceeds the baseline's: 0" in out
+
+
+def test_a_baseline_that_cannot_run_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--quick", "--ranks", "8", "--bins", "1", "--distributions", "sft", "--linear", "0"]
+    code, _, err = _run(capsys, [*argv, "--exact-instances", "0", "--baseline", "/nonexistent/py"])
+    assert code == 2
+    assert "--baseline '/nonexistent/py'" in err

@@ -26,7 +26,7 @@
 #include <math.h>
 #include <string.h>
 
-#define CORE_VERSION 2
+#define CORE_VERSION 3
 
 typedef struct {
     int64_t *ids;
@@ -1285,13 +1285,16 @@ done:
     return result;
 }
 
-/* Defined in _settle.c. */
+/* Defined in _settle.c and _polish.c. */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
+PyObject *evenflow_polish(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
     {"refine_search", refine_search, METH_VARARGS,
      "The default algorithm's local search, with or without budgets (see search.py)."},
+    {"polish", evenflow_polish, METH_VARARGS,
+     "The default algorithm's second search phase (see polish.py)."},
     {"settle", evenflow_settle, METH_VARARGS,
      "Relabel a layout towards its source and bring samples home (see settle.py)."},
     {NULL, NULL, 0, NULL},
@@ -1313,7 +1316,9 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(mod, "WIDE_TARGETS", WIDE_TARGETS) < 0 ||
         PyModule_AddIntConstant(mod, "FULL_SWAP_PAIRS", FULL_SWAP_PAIRS) < 0 ||
         PyModule_AddIntConstant(mod, "SWAP_NEIGHBOURS", SWAP_NEIGHBOURS) < 0 ||
-        PyModule_AddIntConstant(mod, "EXCHANGE_CANDIDATES", EXCHANGE_CANDIDATES) < 0) {
+        PyModule_AddIntConstant(mod, "EXCHANGE_CANDIDATES", EXCHANGE_CANDIDATES) < 0 ||
+        PyModule_AddIntConstant(mod, "POLISH_PARTNERS", 8) < 0 ||
+        PyModule_AddIntConstant(mod, "SUBSET_CANDIDATES", 8) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

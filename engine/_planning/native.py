@@ -19,7 +19,7 @@ import numpy as np
 
 from evenflow.engine._planning.problem import BalanceProblem
 
-__all__ = ["CORE_VERSION", "core_identity", "lpt", "refine_search", "settle"]
+__all__ = ["CORE_VERSION", "core_identity", "lpt", "polish", "refine_search", "settle"]
 
 _MODULE = "evenflow.engine._planning._native"
 
@@ -149,3 +149,42 @@ def settle(
         float(limit),
     )
     return out_flat, out_sizes
+
+
+def polish(
+    problem: BalanceProblem,
+    start: tuple[np.ndarray, np.ndarray],
+    state: dict[str, np.ndarray],
+    *,
+    budget: int,
+    good_enough: float,
+    sumsq: bool,
+    cells: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Run the second search phase from ``start`` = ``(flat, sizes)`` (no packing budgets):
+    the layout reached and the number of changes. ``state`` is the search state of the start
+    (``search.py``), updated in place; ``cells`` the knapsack allowance (see ``polish.py``).
+    """
+    flat, sizes = _i64(start[0]), _i64(start[1])
+    out_flat = np.empty_like(flat)
+    out_sizes = np.empty_like(sizes)
+    changes = _core.polish(
+        _f64(problem.costs),
+        _i64(problem.tokens),
+        flat,
+        sizes,
+        state["bin_of"],
+        state["bin_cnt"],
+        state["bin_tok"],
+        state["bin_cost"],
+        state["load"],
+        out_flat,
+        out_sizes,
+        problem.bins_per_rank,
+        problem.constraints.seq_len,
+        budget,
+        good_enough,
+        sumsq,
+        cells,
+    )
+    return out_flat, out_sizes, int(changes)

@@ -28,12 +28,17 @@ never dead-ends and is never worse than either of them:
    own objective (``problem.score``), so the result is never worse than either even when the
    objective is not what the search optimises (``balance``, or a component cost model whose
    rank cost is not a sum).
-4. **Staying** (makespan): LPT and dealt bins start from scratch, so their layouts move
-   nearly every sample. The search is run once more from the source layout, stopping as soon
-   as its makespan is no worse than the chosen layout's; when it gets there, both are
-   settled (ranks and bins relabelled towards the source, samples sent home where the
-   makespan allows: ``settle.py``) and the one that moves fewer samples is returned. Among
-   layouts of equal objective the planner so prefers the one that moves least.
+4. **Second phase** (``polish.py``), when the first stops above the bound: moves to the least
+   loaded rank with room anywhere in the group, and one sample for any subset of a partner
+   bin (one bin per rank); alternated with the first phase while it finds changes. Multi-bin
+   steps also start from whole bins split by Karmarkar-Karp differencing (``kk.py``).
+5. **Finish**: the best layout is settled (ranks and bins relabelled towards the source,
+   samples sent home where the makespan allows: ``settle.py``), with LPT too when it is
+   within 0.1% (settling can lower a makespan). Under the makespan objective the search is
+   also run from the source layout, stopping as soon as it is as good as the best; among
+   equal scores the layout that moves fewest samples wins: LPT, dealt and differenced bins
+   start from scratch and move nearly every sample, a search from the source only what
+   balance needs.
 
 Under the ``lockstep`` objective the same algorithm runs the method of ``lockstep.py``: it
 balances the step as ``R·B`` one-bin ranks with the steps above, deals the bins into positions
@@ -63,9 +68,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.lockstep import lockstep_assign
 from evenflow.engine._planning.lpt import lpt_layout
 from evenflow.engine._planning.objectives import lockstep, makespan
+from evenflow.engine._planning.polish import polish, polish_cells
 from evenflow.engine._planning.problem import (
     BalanceProblem,
     FlatLayout,
@@ -91,15 +98,23 @@ _MULTI_START_SAMPLES = 48
 _SAMPLES_PER_ATTEMPT = 120
 _MIN_BUDGET = 6
 _MAX_BUDGET = 512
-# The search from the source towards the best makespan (``_stay``) runs on steps up to this
+# The search from the source towards the best makespan (``_finish``) runs on steps up to this
 # many samples, with 32 attempts plus one per 32 samples: each attempt changes one or two
 # samples, and reaching a balanced layout from a source 1.3x above its bound takes ~1 per 25
 # (p50 26 attempts at 8 x 4, 235 at 64 x 4, sft). A step that does not get there in time
 # keeps the other layout, so the cap bounds the planning time (~2 ms at 8 x 4) and nothing
 # else. Past ~20,000 samples it would cost more than the rest of the plan and rarely arrive.
 _STAY_MAX_SAMPLES = 20_000
-_STAY_ATTEMPTS = 32
-_STAY_SAMPLES_PER_ATTEMPT = 32
+# Alternations of the second search phase with the first (see ``_refine``): two, one past
+# _STAY_MAX_SAMPLES samples, where each round's fresh search state and search cost ~30 ms
+# (1,024 x 4) and the third round gained < 0.1% of makespan on the benchmark's steps.
+_POLISH_ROUNDS = 2
+# LPT is settled as a finalist too when its score is within this factor of the best one.
+_CLOSE = 1.001
+_STAY_ATTEMPTS = 24
+_STAY_SAMPLES_PER_ATTEMPT = 64
+# The search from the source alternates with the second phase once.
+_STAY_ROUNDS = 1
 
 
 class RefineAlgorithm:
@@ -112,7 +127,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v5"
+    algorithm_id = "refine-v6"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -134,6 +149,7 @@ class RefineAlgorithm:
             starts.append(lpt)
         if problem.bins_per_rank > 1:
             starts.append(_deal_bins(problem, starts[0]))
+            starts.append(kk_bins(problem, starts[0]))
         scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
         budget = _default_budget(problem) if self.max_iterations is None else self.max_iterations
         if problem.num_samples <= _MULTI_START_SAMPLES:
@@ -144,7 +160,7 @@ class RefineAlgorithm:
         # searched layouts first, then LPT and the dealt bins; ties keep the earlier one.
         candidates: list[tuple[FlatLayout, float]] = []
         for origin in origins:
-            layout, rank_of = self._search(problem, origin, budget)
+            layout, rank_of = self._refine(problem, origin, budget)
             candidates.append((layout, _score_of(problem, rank_of)))
         candidates.extend(zip(starts[1:], scores[1:], strict=True))
         best_layout: FlatLayout | None = None
@@ -155,44 +171,93 @@ class RefineAlgorithm:
                 best_layout, best_score = layout, score
         if best_layout is None:
             return None
-        return self._stay(problem, starts[0], best_layout, best_score)
+        finalists = [best_layout]
+        if lpt is not None and lpt is not best_layout and scores[1] <= best_score * _CLOSE:
+            # Settling may lower a layout's makespan (a sample sent home can leave the most
+            # loaded rank), so LPT settled could end below the best one settled.
+            finalists.append(lpt)
+        return self._finish(problem, starts[0], finalists, budget)
 
-    def _stay(
-        self, problem: BalanceProblem, source: FlatLayout, best: FlatLayout, best_score: float
+    def _finish(
+        self,
+        problem: BalanceProblem,
+        source: FlatLayout,
+        finalists: list[FlatLayout],
+        budget: int,
     ) -> FlatLayout:
-        """``best``, or a layout as good that moves fewer samples (makespan only).
+        """The finalists settled (``settle.py``), plus, under the makespan objective, a
+        search from the source that stops once it is as good as the best of them: the best
+        score wins, and among equal scores the layout that moves fewest samples.
 
-        Searching from the source layout until its makespan is no worse than ``best``'s
-        changes only what balance needs; LPT and dealt bins start from scratch and move
-        nearly every sample. Both are settled (see ``settle.py``) and the one that moves
-        fewer samples wins, the searched-from-source one on ties.
+        Searching from the source changes only what balance needs, whereas LPT and dealt
+        bins start from scratch and move nearly every sample.
         """
         n = problem.num_samples
-        if problem.objective is not makespan or n > _STAY_MAX_SAMPLES:
-            return best
-        rank_of = problem._rank_of_flat(best.flat, best.sizes)
-        target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
-        budget = _STAY_ATTEMPTS + n // _STAY_SAMPLES_PER_ATTEMPT
-        stay, stay_rank_of = self._search(problem, source, budget, stop_at=target)
-        if _score_of(problem, stay_rank_of) > best_score or not _budgets_hold(problem, stay):
-            return best
         home = home_bins(source.flat, source.sizes, n)
 
         def score(flat: np.ndarray, sizes: np.ndarray) -> float:
             return _score_of(problem, problem._rank_of_flat(flat, sizes))
 
-        settled = [
-            FlatLayout(*settle(problem, layout.flat, layout.sizes, home, score=score), settled=True)
-            for layout in (stay, best)
+        layouts = [
+            FlatLayout(*settle(problem, f.flat, f.sizes, home, score=score), settled=True)
+            for f in finalists
         ]
+        scores = [score(lay.flat, lay.sizes) for lay in layouts]
+        best = min(scores)
+        if problem.objective is makespan and n <= _STAY_MAX_SAMPLES:
+            chosen = layouts[scores.index(best)]
+            rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
+            target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
+            stay_budget = _STAY_ATTEMPTS + n // _STAY_SAMPLES_PER_ATTEMPT
+            stay, stay_rank_of = self._refine(
+                problem, source, stay_budget, stop_at=target, rounds=_STAY_ROUNDS
+            )
+            if _score_of(problem, stay_rank_of) <= best and _budgets_hold(problem, stay):
+                settled = FlatLayout(
+                    *settle(problem, stay.flat, stay.sizes, home, score=score), settled=True
+                )
+                layouts.insert(0, settled)
+                scores.insert(0, score(settled.flat, settled.sizes))
+                best = min(scores)
         home_rank = home // problem.bins_per_rank
-        moved = [
-            int(np.count_nonzero(problem._rank_of_flat(lay.flat, lay.sizes) != home_rank))
-            for lay in settled
-        ]
-        return settled[0] if moved[0] <= moved[1] else settled[1]
+        pick, fewest = 0, -1
+        for k, lay in enumerate(layouts):
+            if scores[k] > best:
+                continue
+            moved = int(np.count_nonzero(problem._rank_of_flat(lay.flat, lay.sizes) != home_rank))
+            if fewest < 0 or moved < fewest:
+                pick, fewest = k, moved
+        return layouts[pick]
 
-    # The two kernels, compiled. Overridden only by the test oracle, which runs the same
+    def _refine(
+        self,
+        problem: BalanceProblem,
+        origin: FlatLayout,
+        budget: int,
+        *,
+        stop_at: float | None = None,
+        rounds: int = 0,
+    ) -> tuple[FlatLayout, np.ndarray]:
+        """The first search phase, then the second one (``polish.py``) and the first again
+        while the second finds changes (at most ``rounds`` times, default
+        ``_POLISH_ROUNDS``). ``stop_at``: a load at or below which the most loaded rank is
+        good enough (default: near the bound)."""
+        layout, rank_of = self._search(problem, origin, budget, stop_at=stop_at)
+        if problem.constraints.budgets:
+            return layout, rank_of
+        cells = polish_cells(problem) // _POLISH_ROUNDS  # the allowance spans the rounds
+        # Partners come from the whole group, so the attempts scale with it too.
+        attempts = max(budget, problem.num_ranks // 2)
+        if not rounds:
+            rounds = _POLISH_ROUNDS if problem.num_samples <= _STAY_MAX_SAMPLES else 1
+        for _ in range(rounds):
+            polished, _, changes = self._polish(problem, layout, attempts, cells, stop_at=stop_at)
+            if changes == 0:
+                break
+            layout, rank_of = self._search(problem, polished, budget, stop_at=stop_at)
+        return layout, rank_of
+
+    # The kernels, compiled. Overridden only by the test oracle, which runs the same
     # starts and final choice around its slow reference kernels.
 
     def _greedy(self, problem: BalanceProblem) -> FlatLayout | None:
@@ -207,6 +272,17 @@ class RefineAlgorithm:
         stop_at: float | None = None,
     ) -> tuple[FlatLayout, np.ndarray]:
         return search(problem, start, budget, stop_at=stop_at)
+
+    def _polish(
+        self,
+        problem: BalanceProblem,
+        start: FlatLayout,
+        budget: int,
+        cells: int,
+        *,
+        stop_at: float | None = None,
+    ) -> tuple[FlatLayout, np.ndarray, int]:
+        return polish(problem, start, budget, cells, stop_at=stop_at)
 
 
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:

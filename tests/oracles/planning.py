@@ -26,7 +26,7 @@ from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
 from evenflow.engine._planning.refine import RefineAlgorithm
 from evenflow.engine._planning.search import NEAR_OPTIMAL
 
-__all__ = ["OracleRefine", "OracleSearch", "lpt_assign", "lpt_layout"]
+__all__ = ["OracleRefine", "OracleSearch", "PolishOracle", "lpt_assign", "lpt_layout"]
 
 _core = native._core
 NEAR_TARGETS: int = _core.NEAR_TARGETS
@@ -34,6 +34,8 @@ WIDE_TARGETS: int = _core.WIDE_TARGETS
 FULL_SWAP_PAIRS: int = _core.FULL_SWAP_PAIRS
 SWAP_NEIGHBOURS: int = _core.SWAP_NEIGHBOURS
 EXCHANGE_CANDIDATES: int = _core.EXCHANGE_CANDIDATES
+POLISH_PARTNERS: int = _core.POLISH_PARTNERS
+SUBSET_CANDIDATES: int = _core.SUBSET_CANDIDATES
 # Room of a bin holding a single sample: anything may join it when that sample leaves, since
 # a sample alone in its bin may be oversized.
 UNBOUNDED = np.iinfo(np.int64).max
@@ -357,6 +359,26 @@ class OracleRefine(RefineAlgorithm):
         search = OracleSearch(problem, start)
         layout = search.run(budget, stop_at=stop_at)
         return layout, search.rank_of()
+
+    def _polish(
+        self,
+        problem: BalanceProblem,
+        start: FlatLayout,
+        budget: int,
+        cells: int,
+        *,
+        stop_at: float | None = None,
+    ) -> tuple[FlatLayout, np.ndarray, int]:
+        polish = PolishOracle(problem, start, cells)
+        load = np.asarray(polish.load)
+        bound = max(float(load.sum()) / problem.num_ranks, float(problem.costs.max(initial=0.0)))
+        if stop_at is not None:
+            layout = polish.run(budget, stop_at, sumsq=problem.objective is balance)
+            return layout, polish.rank_of(), polish.changes
+        layout = polish.run(
+            budget, bound * (1.0 + NEAR_OPTIMAL), sumsq=problem.objective is balance
+        )
+        return layout, polish.rank_of(), polish.changes
 
 
 def lightest(load: np.ndarray, reach: int) -> np.ndarray:
@@ -862,3 +884,220 @@ class _Apply:
 
     def __call__(self) -> int:
         return self.fn(*self.args)
+
+
+# ---------------------------------------------------------------------------- the polish
+
+
+class PolishOracle:
+    """The second search phase (``_polish.c``) as plain Python and numpy: its specification.
+
+    Same families, candidate orders, knapsack and tie rules as the core (see the comment at
+    the top of ``_polish.c``); tests hold the two to identical layouts. No packing budgets.
+    """
+
+    def __init__(self, problem: BalanceProblem, start: FlatLayout, cells: int) -> None:
+        self.p = problem
+        self.per = problem.bins_per_rank
+        self.seq_len = problem.constraints.seq_len
+        self.cost = problem.costs
+        self.tok = problem.tokens
+        self.members = [list(b) for b in start.bins]
+        nb = len(self.members)
+        self.bin_of = np.empty(problem.num_samples, dtype=np.int64)
+        for b, items in enumerate(self.members):
+            self.bin_of[items] = b
+        sizes = np.array([len(b) for b in self.members], dtype=np.int64)
+        bin_ids = np.repeat(np.arange(nb, dtype=np.int64), sizes)
+        flat = start.flat
+        self.bin_tok = [int(v) for v in np.bincount(bin_ids, weights=self.tok[flat], minlength=nb)]
+        self.bin_cnt = sizes.tolist()
+        bin_cost = np.bincount(bin_ids, weights=self.cost[flat], minlength=nb)
+        self.load: list[float] = bin_cost.reshape(problem.num_ranks, self.per).sum(axis=1).tolist()
+        self.cells_left = cells
+        self.changes = 0
+
+    def rank_of(self) -> np.ndarray:
+        ranks: np.ndarray = self.bin_of // self.per
+        return ranks
+
+    def run(self, budget: int, good_enough: float, *, sumsq: bool) -> FlatLayout:
+        num_ranks = self.p.num_ranks
+        stuck = [False] * num_ranks
+        for _ in range(budget):
+            top = max(range(num_ranks), key=lambda r: (self.load[r], -r))
+            if not sumsq and (stuck[top] or self.load[top] <= good_enough):
+                break
+            free = [r for r in range(num_ranks) if not stuck[r]]
+            if not free:
+                break
+            a = max(free, key=lambda r: (self.load[r], -r))
+            partner = self._improve(a)
+            if partner < 0:
+                stuck[a] = True
+            else:
+                self.changes += 1
+                stuck[a] = stuck[partner] = False
+        return FlatLayout.of_bins(self.members)
+
+    def _improve(self, a: int) -> int:
+        top = self.load[a]
+        tol = 1e-12 * abs(top) + 1e-300
+        move = self._wide_move(a, tol)
+        if move is not None:
+            i, y = move
+            self._relocate(i, y)
+            return y // self.per
+        exchange = self._subset_exchange(a, tol)
+        if exchange is not None:
+            i, y, subset = exchange
+            x = int(self.bin_of[i])
+            self._relocate(i, y)
+            for j in subset:
+                self._relocate(j, x)
+            return y // self.per
+        return -1
+
+    def _relocate(self, i: int, dst: int) -> None:
+        src = int(self.bin_of[i])
+        self.members[src].remove(i)
+        self.members[dst].append(i)
+        self.bin_of[i] = dst
+        t, c = int(self.tok[i]), float(self.cost[i])
+        self.bin_tok[src] -= t
+        self.bin_tok[dst] += t
+        self.bin_cnt[src] -= 1
+        self.bin_cnt[dst] += 1
+        self.load[src // self.per] -= c
+        self.load[dst // self.per] += c
+
+    def _wide_move(self, a: int, tol: float) -> tuple[int, int] | None:
+        per, seq_len = self.per, self.seq_len
+        num_ranks = self.p.num_ranks
+        room = [
+            max(seq_len - self.bin_tok[r * per + p] for p in range(per)) for r in range(num_ranks)
+        ]
+        order = sorted(range(num_ranks), key=lambda r: (-room[r], r))
+        prefarg: list[int] = []
+        for k, r in enumerate(order):
+            if k == 0 or self.load[r] < self.load[prefarg[-1]]:
+                prefarg.append(r)
+            else:
+                prefarg.append(prefarg[-1])
+        top = self.load[a]
+        best: tuple[float, int, int] | None = None
+        for b in range(a * per, (a + 1) * per):
+            if len(self.members[b]) < 2:
+                continue
+            for i in self.members[b]:
+                ci, ti = float(self.cost[i]), int(self.tok[i])
+                if not ci > tol or ti > seq_len:
+                    continue
+                count = sum(1 for r in order if room[r] >= ti)  # a prefix of the order
+                if count == 0:
+                    continue
+                r = prefarg[count - 1]
+                lr = self.load[r]
+                if not ci < (top - lr) - tol:
+                    continue
+                score = max(top - ci, lr + ci)
+                if best is None or score < best[0]:
+                    best = (score, i, r)
+        if best is None:
+            return None
+        _, i, r = best
+        ti = int(self.tok[i])
+        fits = [r * per + p for p in range(per) if self.bin_tok[r * per + p] + ti <= seq_len]
+        y = max(fits, key=lambda q: (self.bin_tok[q], -q))
+        return i, y
+
+    def _knapsack(
+        self, items: list[int], cap: int
+    ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], list[np.ndarray]]:
+        """Least and largest cost of a subset with exactly T tokens, T <= cap, and which item
+        last improved each entry (vectorised: each item updates from the previous arrays)."""
+        minc = np.full(cap + 1, np.inf)
+        maxc = np.full(cap + 1, -np.inf)
+        minc[0] = maxc[0] = 0.0
+        took_min: list[np.ndarray] = []
+        took_max: list[np.ndarray] = []
+        for j in items:
+            t, c = int(self.tok[j]), float(self.cost[j])
+            low = np.full(cap + 1, np.inf)
+            high = np.full(cap + 1, -np.inf)
+            low[t:] = minc[: cap + 1 - t] + c
+            high[t:] = maxc[: cap + 1 - t] + c
+            better_min = low < minc
+            better_max = high > maxc
+            minc = np.where(better_min, low, minc)
+            maxc = np.where(better_max, high, maxc)
+            took_min.append(better_min)
+            took_max.append(better_max)
+        return minc, maxc, took_min, took_max
+
+    def _subset_exchange(self, a: int, tol: float) -> tuple[int, int, list[int]] | None:
+        per, seq_len = self.per, self.seq_len
+        top = self.load[a]
+        mine = [i for b in range(a * per, (a + 1) * per) for i in self.members[b]]
+        mine = [i for i in mine if int(self.tok[i]) <= seq_len]
+        heavy = sorted(mine, key=lambda i: (-float(self.cost[i]), i))[:SUBSET_CANDIDATES]
+        if not heavy:
+            return None
+
+        def admissible_max(i: int) -> int:
+            x = int(self.bin_of[i])
+            if self.bin_cnt[x] == 1:
+                return seq_len
+            return seq_len - self.bin_tok[x] + int(self.tok[i])
+
+        cap = max(admissible_max(i) for i in heavy)
+        lighter = [r for r in range(self.p.num_ranks) if self.load[r] < top - tol]
+        partners = sorted(lighter, key=lambda r: (self.load[r], r))[:POLISH_PARTNERS]
+        best: tuple[float, int, int, int, int] | None = None
+        for r in partners:
+            lr = self.load[r]
+            gap = top - lr
+            for y in range(r * per, (r + 1) * per):
+                items = sorted(j for j in self.members[y] if int(self.tok[j]) <= cap)
+                if not items:
+                    continue
+                cells = len(items) * (cap + 1)
+                if cells > self.cells_left:
+                    return self._take(best)
+                self.cells_left -= cells
+                minc, maxc, _, _ = self._knapsack(items, cap)
+                room_y = seq_len - self.bin_tok[y]
+                for i in heavy:
+                    ci, ti = float(self.cost[i]), int(self.tok[i])
+                    lo = max(ti - room_y, 1)
+                    for t in range(lo, admissible_max(i) + 1):
+                        for which, values in enumerate((minc, maxc)):
+                            v = float(values[t])
+                            if not math.isfinite(v):
+                                continue
+                            delta = ci - v
+                            if not (delta > tol and delta < gap - tol):
+                                continue
+                            score = max(top - delta, lr + delta)
+                            if best is None or score < best[0]:
+                                best = (score, i, y, t, which)
+        return self._take(best)
+
+    def _take(
+        self, best: tuple[float, int, int, int, int] | None
+    ) -> tuple[int, int, list[int]] | None:
+        if best is None:
+            return None
+        _, i, y, t, which = best
+        items = sorted(j for j in self.members[y] if int(self.tok[j]) <= t)
+        _, _, took_min, took_max = self._knapsack(items, t)
+        took = took_max if which else took_min
+        subset: list[int] = []
+        remaining = t
+        for k in range(len(items) - 1, -1, -1):
+            if remaining <= 0:
+                break
+            if took[k][remaining]:
+                subset.append(items[k])
+                remaining -= int(self.tok[items[k]])
+        return i, y, subset[::-1]

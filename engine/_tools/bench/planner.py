@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,9 @@ class _AlgoRecord:
     """Per step, per cost: what one algorithm achieved."""
 
     ratios: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    moved: list[float] = field(default_factory=list)
+    moved_tokens: list[float] = field(default_factory=list)
     objectives: list[float] = field(default_factory=list)
     plan_ms: list[float] = field(default_factory=list)
     plan_cpu_ms: list[float] = field(default_factory=list)
@@ -110,6 +114,7 @@ class _Case:
     )
     violations: int = 0
     reductions_vs_lpt: list[float] = field(default_factory=list)
+    outlier_bound: int = 0
 
 
 def _quantiles(values: Sequence[float], *names: str) -> dict[str, float | None]:
@@ -187,6 +192,8 @@ def _plan_step(
     step: int,
 ) -> None:
     lengths = np.fromiter((m.tokens for _, m in samples), dtype=np.float64, count=len(samples))
+    tokens = {(key.source_rank, key.index): m.tokens for key, m in samples}
+    total_tokens = float(lengths.sum())
     costs = case.linear * lengths + lengths * lengths
     lower_bound = max(float(costs.sum()) / case.num_ranks, float(costs.max()))
     case.num_samples.append(len(samples))
@@ -206,18 +213,39 @@ def _plan_step(
         achieved[name] = after
         record.plan_ms.append(elapsed_ms)
         record.ratios.append(after / lower_bound)
+        record.gaps.append(plan.decision.gap)
+        moved, moved_tokens = _movement(plan, tokens)
+        record.moved.append(moved / len(samples))
+        record.moved_tokens.append(moved_tokens / total_tokens)
+        bound_flags = plan.decision
         record.objectives.append(after)
         fell_back = algorithm.dead_ends > dead_ends
         record.fallbacks += fell_back
         # A dead end keeps the source without a candidate; only real candidates meet the gate.
         record.rejected += (not plan.accepted) and not fell_back
         record.strictly_better += after < source * (1 - _TOLERANCE)
+    case.outlier_bound += bound_flags.outlier_bound
     case.source_ratios.append(source / lower_bound)
     case.source_objectives.append(source)
     best_other = min(source, achieved["lpt"])
     if achieved["default"] > best_other * (1 + _TOLERANCE):
         case.violations += 1
     case.reductions_vs_lpt.append((achieved["lpt"] - achieved["default"]) / achieved["lpt"])
+
+
+def _movement(plan: Any, tokens: dict[tuple[int, int], int]) -> tuple[int, int]:
+    """Samples and tokens that change rank (a key's ``source_rank`` is the rank that read it).
+
+    Payload bytes are proportional to tokens here (token ids and labels per token), so the
+    token count stands for the bytes an exchange sends.
+    """
+    layout = plan.layout
+    fields = layout.key_fields.reshape(-1, 3)
+    moved = fields[:, 0] != layout.slot_ranks()
+    rows = fields[moved]
+    pairs = zip(rows[:, 0].tolist(), rows[:, 2].tolist(), strict=True)
+    moved_tokens = sum(tokens[pair] for pair in pairs)
+    return int(moved.sum()), int(moved_tokens)
 
 
 def _case_json(case: _Case) -> dict[str, Any]:
@@ -232,9 +260,13 @@ def _case_json(case: _Case) -> dict[str, Any]:
         "mean_samples": float(np.mean(case.num_samples)),
         "source_ratio": _quantiles(case.source_ratios, "p50", "p90", "max"),
         "violations": case.violations,
+        "outlier_bound_steps": case.outlier_bound,
         **{
             name: {
                 "ratio": _quantiles(rec.ratios, "p50", "p90", "max"),
+                "gap": _quantiles(rec.gaps, "p50", "p90", "max"),
+                "moved": _quantiles(rec.moved, "p50", "p90", "max"),
+                "moved_tokens": _quantiles(rec.moved_tokens, "p50", "p90", "max"),
                 "rejected": rec.rejected,
                 "fallbacks": rec.fallbacks,
                 "strictly_better": rec.strictly_better,
@@ -309,13 +341,23 @@ _EXACT_MAX_SAMPLES = 24
 # this seq_len nearly all its samples are clipped to one length.
 _EXACT_SEQ_LEN = 2048
 _EXACT_DISTRIBUTIONS = ("pretrain", "sft")
+# One bin per rank, nearly full: only exchanges of equal token totals are possible, the case
+# a one-for-many exchange of any subset is for (2 ranks x 1 bin, <= 12 samples).
+_EXACT_SINGLE_BIN = (2, 1, 4096, 12)
 _EXACT_TIME_LIMIT_S = 2.0
 # Optimality is proven to this relative gap (0.1%): closing the last hundredths of a percent
 # above the bound total/num_ranks can take HiGHS minutes on near-linear costs.
 _EXACT_REL_GAP = 1e-3
 
 
-def _solve_exact(tokens: list[int], costs: list[float], seq_len: int) -> tuple[float, bool]:
+def _solve_exact(
+    tokens: list[int],
+    costs: list[float],
+    seq_len: int,
+    *,
+    num_ranks: int = _EXACT_RANKS,
+    num_bins: int = _EXACT_BINS,
+) -> tuple[float, bool]:
     """Minimum makespan of ``costs`` over all feasible layouts; ``(makespan, proven)``.
 
     Variables: binary ``x[s, r, b]`` (sample ``s`` in bin ``b`` of rank ``r``) and ``T``. Each
@@ -333,7 +375,7 @@ def _solve_exact(tokens: list[int], costs: list[float], seq_len: int) -> tuple[f
     order = sorted(range(len(costs)), key=lambda s: (-costs[s], -tokens[s], s))
     tok = [tokens[s] for s in order]
     cost = np.asarray([costs[s] for s in order], dtype=np.float64)
-    num_samples, num_ranks, num_bins = len(tok), _EXACT_RANKS, _EXACT_BINS
+    num_samples = len(tok)
     num_vars = num_samples * num_ranks * num_bins + 1
     scaled = cost / cost.max()
 
@@ -394,8 +436,21 @@ def _solve_exact(tokens: list[int], costs: list[float], seq_len: int) -> tuple[f
     return float(rank_costs.max()), bool(result.status == 0)
 
 
-def _run_exact(planner_cls: Any, *, num_instances: int, seed: int) -> dict[str, Any]:
-    """Gap of each algorithm to the exact optimum on ``num_instances`` small steps."""
+def _run_exact(
+    planner_cls: Any,
+    *,
+    num_instances: int,
+    seed: int,
+    shape: tuple[int, int, int, int] = (
+        _EXACT_RANKS,
+        _EXACT_BINS,
+        _EXACT_SEQ_LEN,
+        _EXACT_MAX_SAMPLES,
+    ),
+) -> dict[str, Any]:
+    """Gap of each algorithm to the exact optimum on ``num_instances`` small steps of
+    ``shape`` = (ranks, bins per rank, seq_len, most samples per step)."""
+    exact_ranks, exact_bins, exact_seq_len, exact_max_samples = shape
     if num_instances == 0:
         return {"num_instances": 0, "skipped": "--exact-instances 0"}
     try:
@@ -418,22 +473,24 @@ def _run_exact(planner_cls: Any, *, num_instances: int, seed: int) -> dict[str, 
         samples, reference_bins = make_step(
             distribution,
             packer,
-            num_ranks=_EXACT_RANKS,
-            bins_per_rank=_EXACT_BINS,
-            seq_len=_EXACT_SEQ_LEN,
+            num_ranks=exact_ranks,
+            bins_per_rank=exact_bins,
+            seq_len=exact_seq_len,
             seed=seed,
             step=step,
         )
-        if len(samples) > _EXACT_MAX_SAMPLES:
+        if len(samples) > exact_max_samples:
             continue
         sizes.append(len(samples))
         tokens = [m.tokens for _, m in samples]
         costs = [linear * t + float(t) ** 2 for t in tokens]
         start = time.perf_counter()
-        optimum, proven = _solve_exact(tokens, costs, _EXACT_SEQ_LEN)
+        optimum, proven = _solve_exact(
+            tokens, costs, exact_seq_len, num_ranks=exact_ranks, num_bins=exact_bins
+        )
         solve_s += time.perf_counter() - start
         num_proven += proven
-        planners = _planners(planner_cls, _EXACT_RANKS, _EXACT_BINS, _EXACT_SEQ_LEN, linear)
+        planners = _planners(planner_cls, exact_ranks, exact_bins, exact_seq_len, linear)
         makespans = {
             name: max(planner.plan(samples, reference_bins, step).rank_costs)
             for name, (planner, _) in planners.items()
@@ -446,15 +503,125 @@ def _run_exact(planner_cls: Any, *, num_instances: int, seed: int) -> dict[str, 
             below += proven and makespan < optimum * (1 - _EXACT_REL_GAP) * (1 - _TOLERANCE)
     return {
         "num_instances": num_instances,
-        "shape": f"{_EXACT_RANKS} ranks x {_EXACT_BINS} bins, seq_len {_EXACT_SEQ_LEN}",
+        "shape": f"{exact_ranks} ranks x {exact_bins} bins, seq_len {exact_seq_len}",
         "distributions": list(_EXACT_DISTRIBUTIONS),
         "samples": {"min": min(sizes), "max": max(sizes)},
         "num_proven": num_proven,
         "relative_gap_tolerance": _EXACT_REL_GAP,
         "below_optimum": below,
         "solve_s": solve_s,
-        "gap": {name: _quantiles(g, "p50", "max") for name, g in gaps.items()},
+        "gap": {name: _quantiles(g, "p50", "p99", "max") for name, g in gaps.items()},
     }
+
+
+# --- side by side with another build ---------------------------------------------------------
+
+# Runs under the other build's interpreter: plans the sweep's steps with its "default"
+# algorithm and prints, per case, [makespan, samples moved, tokens moved, CPU ms] per step.
+# It uses only what every build of the planner has (Planner, QuadraticCost, make_step).
+_BASELINE_SCRIPT = """
+import json, sys, time
+from evenflow.engine._planning.cost import QuadraticCost
+from evenflow.engine._planning.planner import Planner
+from evenflow.engine.workloads import make_step
+spec = json.load(sys.stdin)
+out = []
+for dist, packer, ranks, bins, seq_len, linear, steps in spec["cases"]:
+    planner = Planner(num_ranks=ranks, bins_per_rank=bins, seq_len=seq_len,
+                      cost_model=QuadraticCost(linear=linear, quadratic=1.0))
+    rows = []
+    for step in range(steps):
+        samples, reference = make_step(dist, packer, num_ranks=ranks, bins_per_rank=bins,
+                                       seq_len=seq_len, seed=spec["seed"], step=step)
+        tokens = {(k.source_rank, k.index): m.tokens for k, m in samples}
+        start = time.process_time()
+        plan = planner.plan(samples, reference, step)
+        cpu_ms = (time.process_time() - start) * 1e3
+        moved = moved_tokens = 0
+        for rank, rank_bins in enumerate(plan.local_batches):
+            for b in rank_bins:
+                for key in b.sample_keys:
+                    if key.source_rank != rank:
+                        moved += 1
+                        moved_tokens += tokens[(key.source_rank, key.index)]
+        rows.append([max(plan.rank_costs), moved, moved_tokens, cpu_ms])
+    out.append(rows)
+json.dump(out, sys.stdout)
+"""
+
+
+def _run_baseline(python: str, cases: list[_Case], seed: int) -> list[list[list[float]]]:
+    """Per case and step, what the build behind ``python`` plans (see ``_BASELINE_SCRIPT``)."""
+    spec = {
+        "seed": seed,
+        "cases": [
+            [
+                c.distribution,
+                c.packer,
+                c.num_ranks,
+                c.bins_per_rank,
+                c.seq_len,
+                c.linear,
+                c.num_steps,
+            ]
+            for c in cases
+        ],
+    }
+    try:
+        done = subprocess.run(
+            [python, "-c", _BASELINE_SCRIPT],
+            input=json.dumps(spec),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+    except OSError as exc:
+        raise ConfigError(f"--baseline {python!r} could not be run: {exc}") from exc
+    if done.returncode != 0:
+        raise ConfigError(
+            f"--baseline {python!r} failed (exit {done.returncode}); it must be a Python "
+            f"with another build of evenflow installed: {done.stderr.strip()[-400:]}"
+        )
+    rows: list[list[list[float]]] = json.loads(done.stdout)
+    return rows
+
+
+def _compare(cases: list[_Case], baseline: list[list[list[float]]]) -> dict[str, Any]:
+    """Per shape and packer: the baseline's and this build's movement and makespans, and the
+    steps on which this build's ``default`` has a larger makespan than the baseline's."""
+    groups: dict[tuple[str, str, int, int], dict[str, list[float]]] = {}
+    worse = 0
+    for case, rows in zip(cases, baseline, strict=True):
+        group = groups.setdefault(
+            (case.distribution, case.packer, case.num_ranks, case.bins_per_rank),
+            {k: [] for k in ("base_moved", "moved", "base_ratio", "ratio", "base_ms", "ms")},
+        )
+        record = case.algos["default"]
+        for k, (makespan, moved, _, cpu_ms) in enumerate(rows):
+            n = case.num_samples[k]
+            lower_bound = record.objectives[k] / record.ratios[k]
+            group["base_moved"].append(moved / n)
+            group["moved"].append(record.moved[k])
+            group["base_ratio"].append(makespan / lower_bound)
+            group["ratio"].append(record.ratios[k])
+            group["base_ms"].append(cpu_ms)
+            group["ms"].append(record.plan_cpu_ms[k])
+            worse += record.objectives[k] > makespan * (1 + _TOLERANCE)
+    shapes = []
+    for (dist, packer, ranks, bins), values in sorted(groups.items()):
+        shapes.append(
+            {
+                "distribution": dist,
+                "packer": packer,
+                "num_ranks": ranks,
+                "bins_per_rank": bins,
+                "steps": len(values["moved"]),
+                **{
+                    name: _quantiles(series, "p50", "p90", "p99") for name, series in values.items()
+                },
+            }
+        )
+    return {"steps_worse_than_baseline": worse, "shapes": shapes}
 
 
 def _build_parser(prog: str) -> argparse.ArgumentParser:
@@ -485,6 +652,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         "--no-skip",
         action="store_true",
         help=f"also run cases with over {_MAX_BINS:,} bins per step",
+    )
+    parser.add_argument(
+        "--baseline",
+        metavar="PYTHON",
+        help="also plan every step with the 'default' algorithm of the evenflow build "
+        "installed for this interpreter (e.g. an older checkout's venv python) and compare "
+        "makespans, movement and CPU time step by step",
     )
     add_objective_arguments(parser)
     add_report_only(parser)
@@ -636,6 +810,65 @@ def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
             f"{f'{lpt_rej}/{lpt_fb}':>11}{def_rej:>9}"
         )
     print()
+    print(
+        "samples moved to another rank (fraction of the step) and gap to the proven lower "
+        "bound, p50/p90 over steps"
+    )
+    header = (
+        f"{'distribution':<14}{'packer':<10}{'ranks':>6}{'bins':>5}  {'lpt moved':<12}"
+        f"{'def moved':<12}{'def tokens':<12}{'def gap':<14}{'outlier-bound':>14}"
+    )
+    print(header)
+    print("-" * len(header))
+    shapes_moved: dict[tuple[str, str, int, int], list[_Case]] = {}
+    for case in cases:
+        key = (case.distribution, case.packer, case.num_ranks, case.bins_per_rank)
+        shapes_moved.setdefault(key, []).append(case)
+    for (dist, packer, ranks, nbins), group in sorted(shapes_moved.items()):
+
+        def spread(name: str, attr: str, group: list[_Case] = group) -> dict[str, float | None]:
+            values = [v for c in group for v in getattr(c.algos[name], attr)]
+            return _quantiles(values, "p50", "p90")
+
+        steps = sum(len(c.source_ratios) for c in group)
+        outliers = sum(c.outlier_bound for c in group)
+        print(
+            f"{dist:<14}{packer:<10}{ranks:>6}{nbins:>5}  "
+            f"{_fmt(spread('lpt', 'moved'), 'p50', 'p90'):<12}"
+            f"{_fmt(spread('default', 'moved'), 'p50', 'p90'):<12}"
+            f"{_fmt(spread('default', 'moved_tokens'), 'p50', 'p90'):<12}"
+            f"{_fmt(spread('default', 'gaps'), 'p50', 'p90', digits=4):<14}"
+            f"{f'{outliers}/{steps}':>14}"
+        )
+    baseline = doc.get("baseline")
+    if baseline:
+        print()
+        print(
+            f"side by side with the baseline build ({baseline['python']}), 'default' on the same "
+            "steps: moved fraction p50, max cost / bound p50/p90, CPU ms p50/p99"
+        )
+        header = (
+            f"{'distribution':<14}{'packer':<10}{'ranks':>6}{'bins':>5}{'steps':>6}  "
+            f"{'moved base':>11}{'moved new':>10}  {'ratio base':<14}{'ratio new':<14}"
+            f"{'ms base':<13}{'ms new':<13}"
+        )
+        print(header)
+        print("-" * len(header))
+        for shape in baseline["shapes"]:
+            print(
+                f"{shape['distribution']:<14}{shape['packer']:<10}{shape['num_ranks']:>6}"
+                f"{shape['bins_per_rank']:>5}{shape['steps']:>6}  "
+                f"{shape['base_moved']['p50']:>11.3f}{shape['moved']['p50']:>10.3f}  "
+                f"{_fmt(shape['base_ratio'], 'p50', 'p90', digits=4):<14}"
+                f"{_fmt(shape['ratio'], 'p50', 'p90', digits=4):<14}"
+                f"{_fmt(shape['base_ms'], 'p50', 'p99', digits=1):<13}"
+                f"{_fmt(shape['ms'], 'p50', 'p99', digits=1):<13}"
+            )
+        print(
+            f"steps where default's max cost exceeds the baseline's: "
+            f"{baseline['steps_worse_than_baseline']}"
+        )
+    print()
     print("planning time (ms, wall clock), p50/p99 over all plans of a shape")
     header = f"{'ranks':>6}{'bins':>6}{'samples':>10}  {'lpt':<18}{'default':<18}"
     print(header)
@@ -672,20 +905,21 @@ def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
             "mean makespan reduction of default vs lpt on firstfit sources: "
             f"{checks['firstfit_mean_reduction_vs_lpt']:.2%}"
         )
-    exact = doc["exact"]
-    if "skipped" in exact:
-        print(f"exact optimum: skipped: {exact['skipped']}")
-    elif exact["num_instances"]:
-        gaps = exact["gap"]
-        print(
-            f"gap to the exact optimum on {exact['num_instances']} instances ({exact['shape']}, "
-            f"{exact['samples']['min']}-{exact['samples']['max']} samples; "
-            f"{exact['num_proven']} proven optimal to 0.1%): "
-            f"lpt median {gaps['lpt']['p50']:.2%} max {gaps['lpt']['max']:.2%}, "
-            f"default median {gaps['default']['p50']:.2%} max {gaps['default']['max']:.2%}"
-        )
-        if exact["below_optimum"]:
-            print(f"WARNING: {exact['below_optimum']} plans beat a proven optimum; check both.")
+    for exact in (doc["exact"], doc["exact_single_bin"]):
+        if "skipped" in exact:
+            print(f"exact optimum: skipped: {exact['skipped']}")
+        elif exact["num_instances"]:
+            gaps = exact["gap"]
+            print(
+                f"gap to the exact optimum on {exact['num_instances']} instances "
+                f"({exact['shape']}, {exact['samples']['min']}-{exact['samples']['max']} "
+                f"samples; {exact['num_proven']} proven optimal to 0.1%): "
+                f"lpt median {gaps['lpt']['p50']:.2%} max {gaps['lpt']['max']:.2%}, "
+                f"default median {gaps['default']['p50']:.2%} p99 {gaps['default']['p99']:.2%} "
+                f"max {gaps['default']['max']:.2%}"
+            )
+            if exact["below_optimum"]:
+                print(f"WARNING: {exact['below_optimum']} plans beat a proven optimum; check both.")
     for target in doc["timing_targets"]:
         measured, cpu = target["measured_ms"], target["measured_cpu_ms"]
         shown = "-" if measured is None else f"{measured:.1f} ms (CPU {cpu:.1f} ms)"
@@ -731,7 +965,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
     if exact_instances is None:
         exact_instances = 4 if args.quick else 50
     exact = _run_exact(planner_cls, num_instances=exact_instances, seed=args.seed)
+    exact_single = _run_exact(
+        planner_cls, num_instances=exact_instances, seed=args.seed, shape=_EXACT_SINGLE_BIN
+    )
     checks = _checks_json(cases)
+    comparison = None
+    if args.baseline:
+        try:
+            comparison = _compare(cases, _run_baseline(args.baseline, cases, args.seed))
+        except ConfigError as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 2
     doc: dict[str, Any] = {
         "benchmark": "planner",
         "config": {
@@ -750,6 +994,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
         "checks": checks,
         "timing_targets": _targets_json(cases),
         "exact": exact,
+        "exact_single_bin": exact_single,
+        "baseline": None if comparison is None else {"python": args.baseline, **comparison},
         "wall_s": time.perf_counter() - started,
         "ok": checks["violations"] == 0,
     }
