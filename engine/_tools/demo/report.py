@@ -382,10 +382,16 @@ def format_report(report: dict[str, Any]) -> str:
             f"{arm['label']}: steps {arm['speedup']:.2f}x as fast as with balancing off, "
             f"measured side by side ({arm['predicted_speedup']:.2f}x predicted)"
         )
+    window = (
+        "; a window may also move a sample to another step of its window, so that arm's losses "
+        "differ step by step"
+        if "window" in arms
+        else ""
+    )
     lines.append(
         f"loss: {off['losses'][0]:.2f} -> {off['losses'][-1]:.2f} in {off['num_steps']} steps "
         f"(random guessing over 256 bytes: 5.55); every arm trains the same samples, so their "
-        "losses agree: balancing changes where a sample trains, not what the model learns"
+        f"losses agree: balancing changes where a sample trains, not what the model learns{window}"
     )
     check = report.get("calibration_check")
     if check is not None:
