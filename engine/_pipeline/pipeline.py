@@ -884,8 +884,8 @@ class Pipeline:
         """Copy a step that waited on the host once a device slot is free (in step order)."""
         if state.terminal or state.staged_now or state.staged is None or state.error is not None:
             return
-        self._waiting_h2d -= 1
         if state.remote is not None:
+            self._waiting_h2d -= 1
             return  # raised at delivery: nothing to copy
         await self._device_slots.acquire()
         state.device_slot = True
@@ -899,6 +899,10 @@ class Pipeline:
             state.fail("h2d", exc)
             self._release_device_slot(state)
             await self._abort_after_local_planning_failure(state, exc)
+        finally:
+            # Only now may pack stage a later step at once: counted down before the copy, a
+            # later step could take a slot freed meanwhile and be copied first (out of order).
+            self._waiting_h2d -= 1
 
 
 def _drop_local(
