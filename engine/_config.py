@@ -77,6 +77,14 @@ class LoaderConfig:
             long, which shows up as data stall in sync iteration (``evenflow bench pipeline``
             measured the 0.5 ms default passing every target where 5 ms missed three). It is a
             process-wide setting and is not restored at ``close()``.
+        balance_window: consecutive steps planned together (the balance window). ``1`` plans
+            each step on its own. With ``W > 1`` the steps ``[k*W, (k+1)*W)`` of a pass are
+            read (one metadata round each, as always), planned together once the last one is
+            gathered, and delivered in order; a sample may train in another step of its
+            window than the one it was read in (never outside it: its delay is ``< W``), so
+            a step's outliers can meet other steps' outliers side by side on different ranks.
+            The window's first step cannot be delivered before its last is read, so at most
+            ``balance_window + prefetch_depth`` steps are read and not yet delivered.
         log_stats: log one line of balance statistics per step on group rank 0 (logger
             ``"evenflow"``, INFO; shown on standard error when the application configured no
             logging, see :mod:`evenflow.engine._logging`).
@@ -96,6 +104,7 @@ class LoaderConfig:
     max_steps: int | None = None
     on_uneven_end: UnevenEnd = "stop"
     switch_interval: float | None = 0.0005
+    balance_window: int = 1
     log_stats: bool = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> LoaderConfig:
@@ -152,6 +161,7 @@ class LoaderConfig:
                 maximum=1.0,
             )
             object.__setattr__(self, "switch_interval", interval)
+        check_int("LoaderConfig.balance_window", self.balance_window, minimum=1)
         check_bool("LoaderConfig.log_stats", self.log_stats)
         # Validates seq_len, oversized_policy and packing_budgets with one set of messages.
         constraints = PackingConstraints(

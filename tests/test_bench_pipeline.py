@@ -15,6 +15,9 @@ def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--ranks", "1"]) == 2
     assert "--ranks" in capsys.readouterr().err
     assert main(["--compute-ms", "0"]) == 2
+    assert main(["--window", "0"]) == 2
+    assert "--window" in capsys.readouterr().err
+    assert main(["--window", "4", "--window-steps", "6"]) == 2
 
 
 @pytest.mark.multiprocess
@@ -34,7 +37,13 @@ def test_quick_json_reports_every_case_and_target(capsys: pytest.CaptureFixture[
         traced = world["cases"][f"{mode}-balanced+trace-2"]
         assert traced["pipeline_work_s"] > 0
         assert world["cases"][f"{mode}-balanced-2"]["ideal_ratio"] >= 1.0
-    assert len(doc["targets"]) == 8
+    window = world["window"]
+    assert window["window"] == doc["config"]["window"] == 4
+    for key in ("1", "4"):
+        assert window["cases"][key]["steps"] == doc["config"]["window_steps"]
+        assert window["cases"][key]["steps_per_s"] > 0
+    assert window["planned_ratio"] > 0 and window["measured_ratio"] > 0
+    assert len(doc["targets"]) == 9
     assert {t["status"] for t in doc["targets"]} <= {"PASS", "MISS", "N/A"}
 
 

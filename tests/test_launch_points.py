@@ -88,9 +88,10 @@ def _loaders(n: int, log: list[Any], **cfg: Any) -> list[BalancedLoader]:
     ]
 
 
-def test_sync_launches_run_on_the_caller_thread_only() -> None:
+@pytest.mark.parametrize("window", [1, 3])
+def test_sync_launches_run_on_the_caller_thread_only(window: int) -> None:
     log: list[tuple[int, str, int]] = []
-    loaders = _loaders(2, log)
+    loaders = _loaders(2, log, balance_window=window)
     callers: dict[int, int] = {}
     results: list[Any] = [None, None]
 
@@ -122,7 +123,8 @@ def test_sync_launches_run_on_the_caller_thread_only() -> None:
 
 
 @pytest.mark.asyncio
-async def test_async_launches_run_inside_anext_and_hooks() -> None:
+@pytest.mark.parametrize("window", [1, 3])
+async def test_async_launches_run_inside_anext_and_hooks(window: int) -> None:
     inside = {0: False, 1: False}
     outside_launches: list[Any] = []
 
@@ -133,7 +135,7 @@ async def test_async_launches_run_inside_anext_and_hooks() -> None:
             super().append(entry)
 
     log = Log()
-    loaders = _loaders(2, log, planning="leader")
+    loaders = _loaders(2, log, planning="leader", balance_window=window)
 
     async def one(rank: int) -> int:
         n = 0

@@ -24,6 +24,7 @@ from evenflow.engine import (
     SampleMetadata,
     count_loss_tokens,
 )
+from evenflow.engine._pipeline import plan_stage
 from evenflow.engine._pipeline.pack import with_loss_tokens
 from evenflow.engine.errors import ConfigError, RemoteStageError, SourceExhaustedError
 from evenflow.transports import InProcessGroup
@@ -172,8 +173,16 @@ def test_one_group_is_the_world() -> None:
         assert b["tokens"].group == a["tokens"].group
 
 
-def test_every_step_totals_its_rank_group_and_world() -> None:
-    loaders = _world_of_groups([4, 4, 4, 4])
+@pytest.mark.parametrize("window", [1, 3])
+def test_every_step_totals_its_rank_group_and_world(
+    window: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if window > 1:
+        # Every sample trains in another step of its window than the one that read it.
+        from testkit.windows import rotating_plan_window
+
+        monkeypatch.setattr(plan_stage, "plan_window", rotating_plan_window)
+    loaders = _world_of_groups([4, 4, 4, 4], balance_window=window)
     results = run_in_threads_or_raise(loaders, _record)
     assert [len(r) for r in results] == [4, 4, 4, 4]
     assert sum(r[0]["moved"] for r in results) > 0  # balancing changed rank totals

@@ -26,7 +26,13 @@ from evenflow.engine._pipeline.parts import (
 from evenflow.engine._pipeline.pass_report import PassSummary
 from evenflow.engine._pipeline.pipeline import Pipeline
 from evenflow.engine._pipeline.read_assigned import AssignedReader, shared_identity, shared_source
-from evenflow.engine._pipeline.resume import Restore, loader_state, read_state, restore_source
+from evenflow.engine._pipeline.resume import (
+    Restore,
+    loader_state,
+    read_state,
+    restore_source,
+    window_first,
+)
 from evenflow.engine._pipeline.stats import BalanceTally, StepStats
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine._pipeline.world import WorldRound
@@ -148,9 +154,11 @@ class BalancedLoader(LoaderFacade):
         self._pass_finished = False
         self._epoch = 0
         self._first_step = 0
+        self._read_from = 0  # the first step the pass reads: its first window's first step
         self._delivered = 0  # steps delivered in this pass, counting restored ones
         self._last_stats: StepStats | None = None
         self._balance = BalanceTally()
+        self._pass_balance = BalanceTally()  # the steps of the current pass only
         self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
         self._source_state: Any = None
@@ -283,7 +291,7 @@ class BalancedLoader(LoaderFacade):
 
         def done() -> bool:
             if goal == "plan":
-                return pipeline.gathered_step >= target
+                return pipeline.planned(target)
             return max(pipeline.exchanged_step, pipeline.exchange_launched_step) >= target
 
         await run.loop(pipeline.wait_until(done), pump=True)
@@ -328,13 +336,14 @@ class BalancedLoader(LoaderFacade):
         self._restored = None
         self._epoch = epoch
         self._pass_finished = False
-        self._first_step = 0
+        self._first_step = self._read_from = 0
         self._delivered = 0
         self._source_state = None
         self._last_host_batch = None
         self._last_stats = None
         self._last_loss_tokens = None
         self._pass_samples = self._pass_tokens = 0
+        self._pass_balance = BalanceTally()
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
@@ -347,7 +356,9 @@ class BalancedLoader(LoaderFacade):
         so a restored loader re-reads and re-delivers them exactly. With a source whose
         position is global (``DatasetSource``) the state is the same on every rank at the
         same step and restores onto any number of ranks; otherwise it holds this rank's own
-        entry, keyed by its process rank.
+        entry, keyed by its process rank. With a balance window the source state is the one
+        at the first step of the window that holds the next step: a restored loader reads the
+        window again from there, plans it identically and skips the steps already delivered.
         """
         transport = self._transport
         return loader_state(
@@ -381,6 +392,7 @@ class BalancedLoader(LoaderFacade):
             group_rank=transport.rank,
             group=list(transport.global_ranks),
             max_steps=self._config.max_steps,
+            window=self._config.balance_window,
         )
         self._epoch = restore.epoch
         set_epoch = getattr(self._source, "set_epoch", None)
@@ -388,6 +400,7 @@ class BalancedLoader(LoaderFacade):
             set_epoch(self._epoch)
         self._restored = restore
         self._first_step = self._delivered = restore.step
+        self._read_from = window_first(restore.step, self._config.balance_window)
         self._source_state = restore.source
 
     # -- internals ---------------------------------------------------------------------------
@@ -410,7 +423,7 @@ class BalancedLoader(LoaderFacade):
                 self._source_executor,
                 restore_source,
                 self._source,
-                restored.step,
+                self._read_from,
                 restored.source,
             )
         else:
@@ -429,6 +442,8 @@ class BalancedLoader(LoaderFacade):
             cpu_executor=self._cpu,
             source_executor=self._source_executor,
             initial_iter=initial_iter,
+            read_from=self._read_from,
+            initial_source_state=self._source_state,
             world=WorldRound(self._world_transport, on_uneven_end=self._config.on_uneven_end),
             assigned=self._assigned,
             dataset=self._dataset,
@@ -442,18 +457,24 @@ class BalancedLoader(LoaderFacade):
 
     async def _next_state(self, pipeline: Pipeline) -> StepState | None:
         try:
-            # Every collective is bounded by the timeout on its own; a step may need two of
-            # them (its exchange and the next metadata round), hence twice the timeout.
-            async with asyncio.timeout(2 * self._config.timeout):
+            async with asyncio.timeout(self._stall_limit):
                 return await pipeline.next_state()
         except TimeoutError:
             if pipeline.finished:
                 raise
             raise StallTimeoutError(
-                f"No step arrived within 2 x timeout={self._config.timeout:g} s on rank "
+                f"No step arrived within {self._config.balance_window + 1} x "
+                f"timeout={self._config.timeout:g} s on rank "
                 f"{self._transport.rank}; the pipeline is at {pipeline.position()}. A source "
                 "or callback may be blocked; raise LoaderConfig.timeout if steps are slower."
             ) from None
+
+    @property
+    def _stall_limit(self) -> float:
+        # Every collective is bounded by the timeout on its own. A step needs its exchange and
+        # the next metadata round; in a balance window of W steps its first step also waits
+        # for the window's other W - 1 rounds: (W + 1) timeouts in all.
+        return (self._config.balance_window + 1) * self._config.timeout
 
     async def _finish_pass(self) -> None:
         pipeline = self._pipeline
@@ -477,6 +498,9 @@ class BalancedLoader(LoaderFacade):
             tokens=self._pass_tokens,
             uneven=None if final is None else final.uneven,
             source=report if isinstance(report, SourceReport) else None,
+            num_discarded_samples=pipeline.num_discarded_samples,
+            num_outlier_bound_steps=self._pass_balance.to_dict()["outlier_bound"],
+            outlier_cost_fraction=self._pass_balance.outlier_cost_fraction,
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -508,7 +532,7 @@ class BalancedLoader(LoaderFacade):
     def _deliver(self, state: StepState) -> Any:
         batch = self._stager.deliver(state.staged)
         self._delivered = state.step + 1
-        self._source_state = state.source_state
+        self._source_state = state.resume_source
         self._last_stats = state.stats
         world = state.loss_world if self._world_transport is not None else state.loss_group
         self._last_loss_tokens = step_loss_tokens(
@@ -524,6 +548,7 @@ class BalancedLoader(LoaderFacade):
         stats = state.stats
         if stats is not None:
             self._balance.add(stats)
+            self._pass_balance.add(stats)
             if (
                 self._config.log_stats
                 and self._transport.rank == 0

@@ -24,7 +24,7 @@ anyway (and the world round across groups):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,24 +76,32 @@ def _loss_column(message: dict[str, Any]) -> np.ndarray | None:
     return None if loss is None else np.asarray(loss, dtype=np.int64)
 
 
-def rank_loss_tokens(messages: Sequence[dict[str, Any]], plan: Plan, rank: int) -> int | None:
+def rank_loss_tokens(
+    messages: Mapping[int, Sequence[dict[str, Any]]], plan: Plan, rank: int
+) -> int | None:
     """The loss targets that group rank ``rank`` trains on under ``plan``.
 
     A plan slot names its sample by ``(source_rank, step, index)``; the sample's count is row
-    ``index`` of the ``source_rank``'s message. ``None`` when any rank's samples lack a count.
+    ``index`` of the ``source_rank``'s message of that step (``messages[step]``: every rank's
+    message of the step; a plan of a balance window names samples of several steps). ``None``
+    when any rank's samples lack a count.
     """
-    columns = [_loss_column(m) for m in messages]
-    if any(c is None for c in columns):
-        return None
-    counts = np.fromiter((len(c) for c in columns if c is not None), dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    flat = np.concatenate([c for c in columns if c is not None] or [np.zeros(0, np.int64)])
     layout = plan.layout
     start, end = layout.rank_slots(rank)
     fields = layout.key_fields[start:end]
-    if not len(fields):
-        return 0
-    return int(flat[offsets[fields[:, 0]] + fields[:, 2]].sum())
+    total = 0
+    for step, step_messages in messages.items():
+        columns = [_loss_column(m) for m in step_messages]
+        if any(c is None for c in columns):
+            return None
+        mine = fields[fields[:, 1] == step]
+        if not len(mine):
+            continue
+        counts = np.fromiter((len(c) for c in columns if c is not None), dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        flat = np.concatenate([c for c in columns if c is not None] or [np.zeros(0, np.int64)])
+        total += int(flat[offsets[mine[:, 0]] + mine[:, 2]].sum())
+    return total
 
 
 def step_loss_tokens(

@@ -130,7 +130,14 @@ class PassSummary:
     before the end). ``steps``: steps delivered in the pass, a restored position included;
     ``samples``/``tokens``: what this rank trained on in the steps delivered in this process.
     ``source``: the source's own report of the epoch (``DatasetSource``/``IterableSource``:
-    the remainder it leaves unread, by design), when it has one.
+    the remainder it leaves unread, by design), when it has one. ``num_discarded_samples``:
+    samples this rank would have trained in steps that were prepared (read, planned, packed)
+    but not delivered because ``set_epoch()`` ended the pass early — up to
+    ``balance_window + prefetch_depth`` steps' worth. ``num_outlier_bound_steps``: the steps
+    delivered in this process whose costliest sample cost more than their mean rank;
+    ``outlier_cost_fraction``: the share of the pass's planned cost (the sum over its steps
+    of the slowest rank's cost) that those outliers add above perfectly balanced steps — what
+    no per-step plan can remove, and what ``balance_window`` works on.
     """
 
     epoch: int
@@ -140,6 +147,9 @@ class PassSummary:
     tokens: int
     uneven: UnevenEnd | None = None
     source: SourceReport | None = None
+    num_discarded_samples: int = 0
+    num_outlier_bound_steps: int = 0
+    outlier_cost_fraction: float = 0.0
 
     @property
     def num_dropped_samples(self) -> int:
@@ -158,6 +168,16 @@ class PassSummary:
                 f"; {self.uneven.num_unread_samples} samples left unread at the uneven end "
                 f"(step {self.uneven.step})"
             )
+        if self.num_outlier_bound_steps:
+            line += (
+                f"; {self.num_outlier_bound_steps} steps outlier-bound, their outliers adding "
+                f"{self.outlier_cost_fraction:.1%} of the planned cost"
+            )
+        if self.num_discarded_samples:
+            line += (
+                f"; {self.num_discarded_samples} samples of steps prepared ahead were "
+                "discarded by the restart"
+            )
         if self.source is not None:
             line += (
                 f"; the source left {self.source.num_dropped_samples} samples of the epoch "
@@ -174,6 +194,9 @@ class PassSummary:
             "samples": self.samples,
             "tokens": self.tokens,
             "num_dropped_samples": self.num_dropped_samples,
+            "num_discarded_samples": self.num_discarded_samples,
+            "num_outlier_bound_steps": self.num_outlier_bound_steps,
+            "outlier_cost_fraction": self.outlier_cost_fraction,
             "uneven": None if self.uneven is None else self.uneven.to_dict(),
             "source": None
             if source is None

@@ -21,11 +21,27 @@ ends the pipeline: the sequencer fails and every waiting stage and caller is rel
 
 Step ``s`` is handed to the caller only when the metadata round of ``s + 1`` (or the final
 ``end`` round) has confirmed that every rank finished ``s``. At most ``prefetch_depth + 1``
-steps are read and not yet delivered, and at most ``device_prefetch_depth`` of them are staged
-on the device: ``pack`` stages a step at once while a device slot is free (as it always did
-without the bound); otherwise the step waits on the host, pinned, and the ``h2d`` stage copies
-it when the caller takes an earlier step. The ``world`` stage completes each step's loss-token
-totals across balance groups (:mod:`evenflow.engine._pipeline.world`).
+steps are read and not yet delivered (a balance window raises that, as below), and at most
+``device_prefetch_depth`` of them are staged on the device: ``pack`` stages a step at once
+while a device slot is free (as it always did without the bound); otherwise the step waits on
+the host, pinned, and the ``h2d`` stage copies it when the caller takes an earlier step. The
+``world`` stage completes each step's loss-token totals across balance groups
+(:mod:`evenflow.engine._pipeline.world`).
+
+With a balance window of ``W = balance_window > 1`` steps the plan stage holds the gathered
+steps of a window until its last one arrives, plans them together, and lets them flow on one
+by one (see :class:`WindowSequencer` for the order of collectives). A step's samples may come
+from any step of its window, so the reading rank keeps each sample (in the window's shared
+``window_samples``) until the step that trains it has sent or packed it. The round that follows
+a window's last settle (the next window's first gather) confirms all of its steps at once, so
+the window's first step is delivered only after its last is read and settled, and at most
+``W + prefetch_depth`` steps are read and not yet delivered: the read stage takes one of that
+many slots per step and delivery returns it. A pass that ends in the middle of a window (a
+source's end or error, or ``drain()``) plans and delivers the steps read before the end, then a
+``final`` round confirms them; a pass limited by ``max_steps`` ends its last window there.
+A restored pass starts reading at its window's first step (``read_from``) and skips the steps
+delivered before the save (``first_step`` is the first one delivered): they are gathered and
+planned again, identically, but never exchanged or delivered.
 """
 
 from __future__ import annotations
@@ -34,7 +50,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
 import anyio
@@ -47,13 +63,19 @@ from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
 from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
 from evenflow.engine._pipeline.plan_stage import PlanStage
 from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
-from evenflow.engine._pipeline.sequencer import Sequencer
+from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
 from evenflow.engine._pipeline.source import SourceReader
 from evenflow.engine._pipeline.step import (
     StepState,
     build_message,
 )
-from evenflow.engine._pipeline.verdict import confirm_prev, judge_round, prev_status
+from evenflow.engine._pipeline.verdict import (
+    confirm_prev,
+    confirm_reports,
+    judge_round,
+    prev_status,
+    window_reports,
+)
 from evenflow.engine._pipeline.world import WorldRound
 from evenflow.engine.errors import (
     LoaderStateError,
@@ -93,6 +115,8 @@ class Pipeline:
         cpu_executor: concurrent.futures.Executor,
         source_executor: concurrent.futures.Executor,
         initial_iter: Iterator[Any] | None = None,
+        read_from: int | None = None,
+        initial_source_state: Any = None,
         world: WorldRound | None = None,
         assigned: AssignedReader | None = None,
         dataset: dict[str, Any] | None = None,
@@ -119,11 +143,18 @@ class Pipeline:
         self._stager = stager
         self._tracer = tracer
         self.first_step = first_step
+        self._read_from = first_step if read_from is None else read_from
+        self._initial_source_state = initial_source_state
+        self._window = config.balance_window
         self._cpu = cpu_executor
         self._rank = transport.rank
         self._global_ranks = transport.global_ranks
         self._budget_names = tuple(sorted(config.constraints.budgets))
-        self._sequencer = Sequencer(first_step)
+        self._sequencer = (
+            Sequencer(self._read_from)
+            if self._window == 1
+            else WindowSequencer(self._read_from, self._window, config.max_steps)
+        )
         self._plan_stage = PlanStage(
             planner=planner,
             transport=transport,
@@ -134,7 +165,7 @@ class Pipeline:
             on_group_failure=self._group_failed,
             on_local_failure=self._abort_after_local_planning_failure,
         )
-        depth = config.prefetch_depth + 1
+        depth = config.prefetch_depth + self._window
         self._slots = asyncio.Semaphore(depth)
         self._world = world if world is not None else WorldRound(None, on_uneven_end="stop")
         # Undelivered steps on the device; without a bound every undelivered step may be.
@@ -143,14 +174,18 @@ class Pipeline:
         self._waiting_h2d = 0  # packed steps waiting on the host for a device slot
         self.world_step = first_step - 1  # the last step whose world round is done
         self._out_send, self._out_recv = anyio.create_memory_object_stream[StepState](depth)
-        self._prev: StepState | None = None
+        # Steps settled since the last metadata round (their reports go in the next one),
+        # and those whose reports are in the round under way, awaiting its result.
+        self._settled: list[StepState] = []
+        self._reporting: list[StepState] = []
         self._fatal: BaseException | None = None
         self._task: asyncio.Task[None] | None = None
-        self.gathered_step = first_step - 1
+        self.gathered_step = self._read_from - 1
         self.exchanged_step = first_step - 1
         self.exchange_launched_step = first_step - 1
         self._exchanging = first_step - 1
         self._gather_done = False
+        self._ended = False  # a metadata round ended the pass
         self._progress = asyncio.Event()
         self._pending: StepState | None = None  # received, awaiting confirmation
         self._failure: BaseException | None = None  # the error already raised to the caller
@@ -159,6 +194,7 @@ class Pipeline:
         self._stop_event = asyncio.Event()
         self._recv_task: asyncio.Future[StepState] | None = None
         self.final_round: StepState | None = None  # the final metadata round of a pass's end
+        self.num_discarded_samples = 0  # samples of steps prepared here but never delivered
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -171,13 +207,21 @@ class Pipeline:
         gath_s, gath_r = anyio.create_memory_object_stream[StepState](1)
         plan_s, plan_r = anyio.create_memory_object_stream[StepState](1)
         exch_s, exch_r = anyio.create_memory_object_stream[StepState](1)
-        pack_s, pack_r = anyio.create_memory_object_stream[StepState](1)
-        world_s, world_r = anyio.create_memory_object_stream[StepState](1)
+        # In a balance window the copy of a step may wait (device_prefetch_depth) for the
+        # delivery of an earlier step of its window, which waits for the window's last step
+        # to settle: the channels after pack must hold a window's steps, or pack would stall
+        # behind that copy. (Never more than the read-ahead slots exist.)
+        after_pack = 1 if self._window == 1 else self._config.prefetch_depth + self._window
+        pack_s, pack_r = anyio.create_memory_object_stream[StepState](after_pack)
+        world_s, world_r = anyio.create_memory_object_stream[StepState](after_pack)
         try:
             async with asyncio.TaskGroup() as tg:
                 tg.create_task(self._read_stage(read_s))
                 tg.create_task(self._stage("gather", read_r, gath_s, self._gather))
-                tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
+                if self._window == 1:
+                    tg.create_task(self._stage("plan", gath_r, plan_s, self._plan))
+                else:
+                    tg.create_task(self._window_stage(gath_r, plan_s))
                 if self._assigned is None:
                     tg.create_task(self._stage("exchange", plan_r, exch_s, self._exchange))
                 else:
@@ -300,8 +344,10 @@ class Pipeline:
         """End the pass early on every rank of the group without breaking collective order.
 
         Stops reading: the next read announces ``end`` (reason ``restart``) in its metadata
-        round, which ends the pass on every rank at that step. Steps already in flight are
-        finished and discarded. Peers must keep iterating or drain too.
+        round, which ends the pass on every rank at that step. Steps already in flight (a
+        balance window's steps read before the stop included) are finished and discarded;
+        ``num_discarded_samples`` counts the samples this rank would have trained in them.
+        Peers must keep iterating or drain too.
         """
         self._stop_reading = True
         self._stop_event.set()
@@ -309,8 +355,11 @@ class Pipeline:
         with contextlib.suppress(Exception):
             async with asyncio.timeout(timeout):
                 while not self._closed and self._failure is None:
-                    if await self.next_state() is None:
+                    state = await self.next_state()
+                    if state is None:
                         break
+                    if state.routes is not None:
+                        self.num_discarded_samples += sum(map(len, state.routes.bins))
 
     def notify(self) -> None:
         """Wake :meth:`wait_until` callers (progress was made)."""
@@ -325,6 +374,13 @@ class Pipeline:
     def position(self) -> str:
         step, phase = self._sequencer.position
         return f"collective turn ({step}, {phase!r}), last gathered step {self.gathered_step}"
+
+    def planned(self, step: int) -> bool:
+        """Whether ``step``'s plan is under way: its window's last metadata round is done."""
+        last = step
+        if isinstance(self._sequencer, WindowSequencer):
+            last = self._sequencer.window_last(step)
+        return self.gathered_step >= last
 
     @property
     def finished(self) -> bool:
@@ -365,13 +421,22 @@ class Pipeline:
                         await work(state)
                 else:
                     await work(state)
+                if state.skip and send is self._out_send:
+                    self._slots.release()  # delivered before the restore: never again
+                    continue
                 await send.send(state)
 
     # -- read ---------------------------------------------------------------------------------
 
     async def _read_stage(self, send: MemoryObjectSendStream[StepState]) -> None:
         async with send:
-            step = self.first_step
+            step = self._read_from
+            window = self._window
+            # The source's position before the step being read, and at its window's start.
+            before = window_start = self._initial_source_state
+            if window > 1 and step == 0:
+                # A checkpoint inside the first window restores the source to its start.
+                before = await self._reader.position()
             while True:
                 limit = self._config.max_steps
                 if not self._stop_reading and limit is not None and step >= limit:
@@ -387,6 +452,14 @@ class Pipeline:
                     # source is abandoned (its result is discarded when it returns).
                     await send.send(StepState(step, status="end", end_reason="restart"))
                     return
+                if step % window == 0:
+                    window_start = before
+                before = state.source_state
+                # A checkpoint after this step restores the source at the window's start and
+                # skips what was delivered, unless the step ends its window.
+                state.resume_source = (
+                    state.source_state if (step + 1) % window == 0 else window_start
+                )
                 await send.send(state)
                 if state.status != "ok":
                     return
@@ -413,10 +486,62 @@ class Pipeline:
     # -- gather -------------------------------------------------------------------------------
 
     async def _gather(self, state: StepState) -> None:
+        if self._ended:
+            # A step read ahead of the round that ended the pass: it has no turn (a window's
+            # steps after that round would come before the window's exchanges). It waits,
+            # never announced, until the pass is closed.
+            await asyncio.get_running_loop().create_future()
         await self._sequencer.turn(state.step, "gather")
-        prev = self._prev_status()
+        messages = await self._round(state)
+        if messages is None:
+            return
+        mismatch = None
+        if state.step == self._read_from:
+            mismatch = dataset_mismatch(
+                [m.get("dataset") for m in messages],
+                self._global_ranks,
+                where=f"Step {state.step}",
+            )
+        if mismatch is not None:
+            state.remote, state.terminal = mismatch, True
+        else:
+            self._judge_round(state, messages)
+        sequencer = self._sequencer
+        if (
+            state.terminal
+            and isinstance(sequencer, WindowSequencer)
+            and not sequencer.starts_window(state.step)
+            and not self._gather_failed
+        ):
+            # The pass ends in the middle of a window: the window's earlier steps are planned,
+            # delivered and confirmed by a final round first.
+            sequencer.end_window(state.step)
+            state.final_pending = True
+        await self._sequencer.advance(state.step, "gather")
+        self.gathered_step = state.step
+        self._ended = state.terminal
+        if state.terminal and state.status == "end":
+            self.final_round = state
+            if state.uneven is not None and state.remote is None:
+                logger.warning("%s", state.uneven.message("stop"))
+        self._gather_done = state.terminal and not state.final_pending
+        self.notify()
+        if not state.terminal:
+            state.confirmed = asyncio.get_running_loop().create_future()
+            if state.error is None:
+                state.messages = messages
+
+    async def _round(self, state: StepState) -> list[dict[str, Any]] | None:
+        """One metadata round for ``state`` (its turn taken): announce it with the reports on
+        the steps settled since the last round, and confirm those steps with every rank's
+        reports. ``None`` when the group failed."""
+        self._reporting, self._settled = self._settled, []
+        if self._window == 1:
+            prev: Any = prev_status(self._reporting[0], self._rank) if self._reporting else None
+        else:
+            prev = window_reports(self._reporting, self._rank)
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
-        if state.step == self.first_step:
+        if state.step == self._read_from:
             msg["dataset"] = self._dataset
         if state.prepared is not None and state.status == "ok":
             # Frame sizes: every receiver sizes its exchange buffer from them and the plan.
@@ -431,45 +556,34 @@ class Pipeline:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
             await self._group_failed(state, exc, "gather")
-            return
-        await self._sequencer.advance(state.step, "gather")
-        self.gathered_step = state.step
-        self._confirm_prev([m.get("prev") for m in messages])
-        mismatch = None
-        if state.step == self.first_step:
-            mismatch = dataset_mismatch(
-                [m.get("dataset") for m in messages],
-                self._global_ranks,
-                where=f"Step {state.step}",
-            )
-        if mismatch is not None:
-            state.remote, state.terminal = mismatch, True
+            return None
+        reporting, self._reporting = self._reporting, []
+        prevs = [m.get("prev") for m in messages]
+        if self._window == 1:
+            confirm_prev(reporting[0] if reporting else None, prevs, self._rank, self._global_ranks)
         else:
-            self._judge_round(state, messages)
-        if state.terminal and state.status == "end":
-            self.final_round = state
-            if state.uneven is not None and state.remote is None:
-                logger.warning("%s", state.uneven.message("stop"))
-        self._gather_done = state.terminal
+            confirm_reports(reporting, prevs, self._rank, self._global_ranks)
+        return messages
+
+    async def _final_round(self, state: StepState) -> None:
+        """The round after the last settle of a window the pass ended in: it confirms the
+        window's steps (the pass's end was judged in ``state``'s first round)."""
+        await self._sequencer.turn(state.step, "final")
+        if await self._round(state) is None:
+            return
+        await self._sequencer.advance(state.step, "final")
+        self._gather_done = True
         self.notify()
-        if not state.terminal:
-            self._prev = state
-            state.confirmed = asyncio.get_running_loop().create_future()
-            if state.error is None:
-                state.messages = messages
 
-    def _prev_status(self) -> dict[str, Any] | None:
-        return prev_status(self._prev, self._rank)
-
-    def _confirm_prev(self, prevs: list[dict[str, Any] | None]) -> None:
-        prev, self._prev = self._prev, None
-        confirm_prev(prev, prevs, self._rank, self._global_ranks)
+    @property
+    def _gather_failed(self) -> bool:
+        return self._fatal is not None
 
     def _judge_round(self, state: StepState, messages: list[dict[str, Any]]) -> None:
         judge_round(
             state,
             messages,
-            first_step=self.first_step,
+            first_step=self._read_from,
             global_ranks=self._global_ranks,
             on_uneven_end=self._config.on_uneven_end,
         )
@@ -486,15 +600,59 @@ class Pipeline:
         self._confirm_all_pending(exc)
 
     def _confirm_all_pending(self, exc: BaseException) -> None:
-        prev, self._prev = self._prev, None
-        if prev is not None and prev.confirmed is not None and not prev.confirmed.done():
-            prev.remote = prev.remote or exc
-            prev.confirmed.set_result(None)
+        pending = [*self._reporting, *self._settled]
+        self._reporting, self._settled = [], []
+        for prev in pending:
+            if prev.confirmed is not None and not prev.confirmed.done():
+                prev.remote = prev.remote or exc
+                prev.confirmed.set_result(None)
 
     # -- plan ---------------------------------------------------------------------------------
 
     async def _plan(self, state: StepState) -> None:
         await self._plan_stage.run(state)
+
+    async def _window_stage(
+        self, recv: MemoryObjectReceiveStream[StepState], send: MemoryObjectSendStream[StepState]
+    ) -> None:
+        """The plan stage of a balance window: hold gathered steps until the window's last
+        one (or the round that ends the pass) arrives, plan them together, pass them on."""
+        sequencer = self._sequencer
+        assert isinstance(sequencer, WindowSequencer)
+        async with recv, send:
+            window: list[StepState] = []
+            async for state in recv:
+                if not state.terminal:
+                    window.append(state)
+                    if state.step < sequencer.window_last(state.step):
+                        continue
+                if window and not self._gather_failed:
+                    depth = recv.statistics().current_buffer_used
+                    with self._tracer.span("plan", window[0].step, queue_depth=depth):
+                        await self._plan_window(window)
+                for planned in window:
+                    await send.send(planned)
+                window = []
+                if state.terminal:
+                    await send.send(state)
+
+    async def _plan_window(self, window: list[StepState]) -> None:
+        shared = {s.step: s.samples for s in window if s.samples is not None}
+        prepared = {s.step: s.prepared for s in window if s.prepared is not None}
+        messages = {s.step: s.messages for s in window if s.messages is not None}
+        for state in window:
+            state.window_samples = shared
+            state.window_prepared = prepared or None
+            state.window_messages = messages
+        await self._plan_stage.run_window(window)
+        for state in window:
+            if state.step < self.first_step and not state.terminal:
+                state.skip = True
+                routes = state.routes
+                if routes is not None:  # its samples trained before the restore
+                    keys = (*routes.send.values(), *routes.bins)
+                    _drop_local(shared, keys, self._rank)
+                    _drop_local(prepared, keys, self._rank)
 
     async def _abort_after_local_planning_failure(
         self, state: StepState, exc: BaseException
@@ -519,7 +677,7 @@ class Pipeline:
         if state.terminal:
             return
         plan = state.plan
-        moves = plan is not None and plan.num_moved > 0
+        moves = plan is not None and plan.num_moved > 0 and not state.skip
         await self._sequencer.turn(state.step, "exchange")
         if moves:
             outgoing, incoming = self._sized(state)
@@ -544,6 +702,11 @@ class Pipeline:
                 # This rank could not encode its payloads; by the transport contract its peers
                 # were told (PeerEncodeError) and the group is still in step.
                 state.fail("exchange", exc)
+            if state.window_samples is not None and state.routes is not None:
+                # Sent: the reading rank no longer needs these samples.
+                _drop_local(state.window_samples, state.routes.send.values(), self._rank)
+                if state.window_prepared is not None:
+                    _drop_local(state.window_prepared, state.routes.send.values(), self._rank)
         self.exchanged_step = state.step
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
@@ -552,8 +715,13 @@ class Pipeline:
 
     async def _read_assigned(self, state: StepState) -> None:
         """Take the exchange turn without a collective (every rank is in shared mode), then
-        read this rank's planned samples by dataset index."""
+        read this rank's planned samples by dataset index (none for a step delivered before
+        a restore)."""
         if state.terminal:
+            return
+        if state.skip:
+            await self._sequencer.turn(state.step, "exchange")
+            await self._sequencer.advance(state.step, "exchange")
             return
         await self._sequencer.turn(state.step, "exchange")
         self.exchanged_step = state.step
@@ -563,7 +731,8 @@ class Pipeline:
             return
         assert self._assigned is not None
         try:
-            state.received = await self._assigned.read(state.step, state.routes, state.messages)
+            messages = state.step_messages()
+            state.received = await self._assigned.read(state.step, state.routes, messages)
         except Exception as exc:
             state.fail("read_assigned", exc)
 
@@ -573,35 +742,53 @@ class Pipeline:
         """What this rank sends (its prepared samples, by target) and what it receives (keys
         and frame sizes, by sender), both from the plan and the gathered metadata, which every
         rank shares; so both sides of every pair count the same bytes and the exchange needs
-        no sizes collective. Both lists follow the receiver's pack order."""
-        routes, messages = state.routes, state.messages
-        assert routes is not None and messages is not None
-        sizes = [np.asarray(m["nbytes"], dtype=np.int64) for m in messages]
-        prepared = state.prepared
-        if prepared is None or state.error is not None:
+        no sizes collective. Both lists follow the receiver's pack order. A key names the step
+        that read it: in a balance window, any step of the window."""
+        routes = state.routes
+        assert routes is not None
+        sizes = {
+            step: [np.asarray(m["nbytes"], dtype=np.int64) for m in messages]
+            for step, messages in state.step_messages().items()
+        }
+        if state.window_prepared is not None:
+            prepared = state.window_prepared
+        elif state.prepared is not None and state.error is None:
+            prepared = {state.step: state.prepared}
+        else:
             # Cannot happen while read errors end the step at its gather; kept safe anyway:
             # the announced number of bytes still goes out, as zeros the receivers report.
-            own = sizes[self._rank]
-            prepared = [Prepared.zeros(int(n)) for n in own]
+            own = sizes[state.step][self._rank]
+            prepared = {state.step: [Prepared.zeros(int(n)) for n in own]}
         outgoing = {
-            dest: [(key, prepared[key[2]]) for key in keys] for dest, keys in routes.send.items()
+            dest: [(key, prepared[key[1]][key[2]]) for key in keys]
+            for dest, keys in routes.send.items()
         }
         incoming: dict[int, list[tuple[Any, int]]] = {}
         for keys in routes.bins:
             for key in keys:
                 if key[0] != self._rank:
-                    incoming.setdefault(key[0], []).append((key, int(sizes[key[0]][key[2]])))
+                    size = int(sizes[key[1]][key[0]][key[2]])
+                    incoming.setdefault(key[0], []).append((key, size))
         return outgoing, incoming
 
     # -- pack ---------------------------------------------------------------------------------
 
     async def _pack(self, state: StepState) -> None:
         if state.terminal:
+            if state.final_pending:
+                await self._final_round(state)
+            return
+        if state.skip:
+            state.release_payloads()
+            await self._sequencer.turn(state.step, "settle")
+            await self._sequencer.advance(state.step, "settle")
             return
         messages, plan = state.messages, state.plan
         if messages is not None and plan is not None:
             # From the samples' metadata; the default pack counts its bins below otherwise.
-            state.loss_rank = rank_loss_tokens(messages, plan, self._rank)
+            # A window's plan names samples of any of its steps: each read step's messages.
+            by_step = state.window_messages or {state.step: messages}
+            state.loss_rank = rank_loss_tokens(by_step, plan, self._rank)
         if state.error is None and state.remote is None and state.routes is not None:
             # A free device slot and no earlier step waiting for one: stage now, so that a
             # failed copy is announced with the step. (Staging past a waiting step would take
@@ -625,20 +812,25 @@ class Pipeline:
                 self._release_device_slot(state)
                 if self._stager.active and not stage_now:
                     self._waiting_h2d -= 1
+        if state.window_samples is not None and state.routes is not None:
+            _drop_local(state.window_samples, state.routes.bins, self._rank)
+            if state.window_prepared is not None:
+                _drop_local(state.window_prepared, state.routes.bins, self._rank)
         state.release_payloads()
         await self._sequencer.turn(state.step, "settle")
+        self._settled.append(state)
         await self._sequencer.advance(state.step, "settle")
 
     def _pack_sync(self, state: StepState, stage_now: bool) -> tuple[Any, Any]:
         routes = state.routes
-        assert routes is not None and state.samples is not None
-        local, received, rank = state.samples, state.received, self._rank
+        assert routes is not None
+        local, received, rank = state.local_samples(), state.received, self._rank
         packed = []
         for keys in routes.bins:
             samples = []
             for key in keys:
                 if key[0] == rank and self._assigned is None:
-                    samples.append(local[key[2]])
+                    samples.append(local[key[1]][key[2]])
                 else:
                     try:
                         samples.append(received[key])
@@ -669,6 +861,8 @@ class Pipeline:
     # -- world ------------------------------------------------------------------------------
 
     async def _world_round(self, state: StepState) -> None:
+        if state.skip:
+            return  # delivered before the restore, in every group alike: no round
         await self._world.run(state)
         self.world_step = state.step
         self.notify()
@@ -690,8 +884,8 @@ class Pipeline:
         """Copy a step that waited on the host once a device slot is free (in step order)."""
         if state.terminal or state.staged_now or state.staged is None or state.error is not None:
             return
-        self._waiting_h2d -= 1
         if state.remote is not None:
+            self._waiting_h2d -= 1
             return  # raised at delivery: nothing to copy
         await self._device_slots.acquire()
         state.device_slot = True
@@ -705,6 +899,22 @@ class Pipeline:
             state.fail("h2d", exc)
             self._release_device_slot(state)
             await self._abort_after_local_planning_failure(state, exc)
+        finally:
+            # Only now may pack stage a later step at once: counted down before the copy, a
+            # later step could take a slot freed meanwhile and be copied first (out of order).
+            self._waiting_h2d -= 1
+
+
+def _drop_local(
+    samples: dict[int, list[Any]], groups: Iterable[list[tuple[int, int, int]]], rank: int
+) -> None:
+    """Forget this rank's samples among the key lists ``groups``: their training step has
+    sent or packed them, so the window no longer holds them."""
+    for keys in groups:
+        for key in keys:
+            row = samples.get(key[1]) if key[0] == rank else None
+            if row is not None:  # (a step without frames: shared-dataset mode, one rank)
+                row[key[2]] = None
 
 
 class _Aborted(Exception):

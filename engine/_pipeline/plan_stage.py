@@ -5,6 +5,10 @@ gathered step, so every rank holds the same one; the next metadata round compare
 ``leader`` planning rank 0 plans and broadcasts the plan (or its planning error), and the other
 ranks decode it. Planning runs on the CPU executor, never on the event loop. The broadcast
 turn is taken in both modes, so the collective order does not depend on the mode's data.
+
+With a balance window (``LoaderConfig.balance_window > 1``) :meth:`PlanStage.run_window` plans
+the window's steps together (:func:`evenflow.engine._planning.window.plan_window`) once its
+last step is gathered, and the leader broadcasts the window's plans in one message.
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import (
     StepState,
     error_info,
+    peer_columns,
     plan_step,
     remote_error,
     with_routes,
 )
 from evenflow.engine._plan import Plan, plan_from_wire, plan_to_wire
+from evenflow.engine._planning.window import plan_window
+from evenflow.engine.errors import PlanningError
 from evenflow.transports import Transport
 
 __all__ = ["PlanStage"]
@@ -117,3 +124,86 @@ class PlanStage:
 
     def _received_plan(self, data: dict[str, Any], step: int) -> _Planned:
         return with_routes(plan_from_wire(data, step), self._rank, self._global_ranks)
+
+    # -- balance windows ---------------------------------------------------------------------
+
+    async def run_window(self, states: list[StepState]) -> None:
+        """Plan the window of ``states`` (consecutive gathered steps, none terminal) together.
+
+        A local planning failure fails every step of the window (the first one raises); in
+        replicated mode it aborts this rank as :meth:`run` does, and marks the window's steps
+        terminal so that no later stage issues a collective for them.
+        """
+        first = states[0].step
+        messages = [s.messages for s in states]
+        if all(m is not None for m in messages) and (not self._leader or self._rank == 0):
+            loop = asyncio.get_running_loop()
+            try:
+                planned = await loop.run_in_executor(
+                    self._cpu, self._plan_window_sync, first, messages
+                )
+            except Exception as exc:
+                for state in states:
+                    state.fail("plan", exc)
+                if not self._leader and self._transport.num_ranks > 1:
+                    for state in states:
+                        state.terminal = True
+                    await self._on_local_failure(states[0], exc)
+                    return
+            else:
+                for state, (plan, stats, routes) in zip(states, planned, strict=True):
+                    state.plan, state.stats, state.routes = plan, stats, routes
+        await self._sequencer.turn(first, "broadcast")
+        if self._leader:
+            await self._broadcast_window(states)
+        await self._sequencer.advance(first, "broadcast")
+
+    def _plan_window_sync(self, first: int, messages: list[Any]) -> list[_Planned]:
+        columns = [peer_columns(m, self._budget_names) for m in messages]
+        plans = plan_window(self._planner, columns, first).plans
+        if len(plans) != len(columns) or any(p.step != first + i for i, p in enumerate(plans)):
+            raise PlanningError(
+                f"The window planner returned plans of steps {[p.step for p in plans]} for "
+                f"the window of steps {first}..{first + len(columns) - 1}; it must return one "
+                "plan per step of the window, in order."
+            )
+        return [with_routes(p, self._rank, self._global_ranks) for p in plans]
+
+    async def _broadcast_window(self, states: list[StepState]) -> None:
+        first = states[0]
+        payload: dict[str, Any] | None = None
+        if self._rank == 0:
+            if first.error is not None:
+                payload = {"error": error_info(0, first.error_stage, first.step, first.error)}
+            else:
+                payload = {"plans": [plan_to_wire(s.plan) for s in states if s.plan is not None]}
+        try:
+            received = await self._transport.broadcast(payload, src=0)
+        except BaseException as exc:
+            await self._on_group_failure(first, exc, "plan")
+            return
+        if self._rank == 0:
+            return
+        if received.get("error") is not None:
+            error = remote_error(received["error"], self._global_ranks, sender=0)
+            for state in states:
+                state.remote = state.error = error
+                state.error_stage = "plan"
+            return
+        wires = received.get("plans")
+        if not isinstance(wires, list) or len(wires) != len(states):
+            error = PlanningError(
+                f"The leader broadcast {len(wires) if isinstance(wires, list) else 'no'} plans "
+                f"for the window of {len(states)} steps starting at step {first.step}; every "
+                "rank must run the same evenflow with the same balance_window."
+            )
+            for state in states:
+                state.fail("plan", error)
+            return
+        loop = asyncio.get_running_loop()
+        planned = await loop.run_in_executor(self._cpu, self._received_window, wires, first.step)
+        for state, (plan, stats, routes) in zip(states, planned, strict=True):
+            state.plan, state.stats, state.routes = plan, stats, routes
+
+    def _received_window(self, wires: list[dict[str, Any]], first: int) -> list[_Planned]:
+        return [self._received_plan(data, first + i) for i, data in enumerate(wires)]

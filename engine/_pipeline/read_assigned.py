@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -104,12 +104,17 @@ class AssignedReader:
         self._threads = max(1, threads)
 
     async def read(
-        self, step: int, routes: RankRoutes, messages: Sequence[dict[str, Any]]
+        self, step: int, routes: RankRoutes, messages: Mapping[int, Sequence[dict[str, Any]]]
     ) -> dict[Hashable, Any]:
-        """``{key: sample}`` for every key of this rank's planned bins."""
+        """``{key: sample}`` for every key of this rank's planned bins; ``messages[s]`` holds
+        every rank's metadata message of step ``s``, for each step ``s`` a key names (the
+        step itself, or any step of its balance window)."""
         keys = [key for keys in routes.bins for key in keys]
-        columns = [np.asarray(m["indices"], dtype=np.int64) for m in messages]
-        indices = [int(columns[key[0]][key[2]]) for key in keys]
+        columns = {
+            s: [np.asarray(m["indices"], dtype=np.int64) for m in msgs]
+            for s, msgs in messages.items()
+        }
+        indices = [int(columns[key[1]][key[0]][key[2]]) for key in keys]
         # At least ~16 samples per call: a thread hop costs more than a tiny read.
         chunks = max(1, min(self._threads, len(indices) // 16))
         bounds = np.linspace(0, len(indices), chunks + 1).astype(int).tolist()

@@ -5,6 +5,14 @@ the source's own state as it was right after the last delivered step was read. T
 captures that source state per step, as the step is read, and carries it with the step, so
 prefetched (speculative) steps never leak into a checkpoint.
 
+**Balance windows.** With ``balance_window = W > 1`` a sample may train in another step of its
+window than the one that read it, so the source state saved at step ``step`` is the one at
+:func:`window_first` (``step - step % W``, the first step of the window that holds the next
+step), not after the last delivered step. A restore reads the window again from there, plans it
+again (identically: a plan is a pure function of the gathered steps) and skips the steps before
+``step``. ``W`` is part of the configuration's identity, so the window start needs no field of
+its own; a global position saved inside a window restores only onto as many ranks.
+
 **Layout.** Every rank of a data-parallel world saves a dict of the same shape, made so that
 ``torch.distributed.checkpoint`` (which writes a key saved by several ranks only once, from
 one of them) can never mix ranks' data::
@@ -50,6 +58,7 @@ __all__ = [
     "loader_state",
     "read_state",
     "restore_source",
+    "window_first",
 ]
 
 #: What ``BalancedLoader.state_dict()`` writes, and all that :func:`read_state` accepts.
@@ -228,17 +237,23 @@ def describe_difference(saved: Any, current: dict[str, Any], path: str = "") -> 
     return "they differ."
 
 
+def window_first(step: int, window: int) -> int:
+    """The first step of the balance window of ``window`` steps that holds step ``step``."""
+    return step - step % window
+
+
 def restore_source(source: Any, steps: int, source_state: Any) -> Iterator[Any] | None:
-    """Put ``source`` at the position right after ``steps`` consumed steps.
+    """Put ``source`` at the position right after ``steps`` consumed steps (with a balance
+    window: ``steps`` is the window's first step, and ``source_state`` the state there).
 
     Returns ``None`` when the source restored itself (the pipeline then calls ``iter(source)``
     as usual), or the iterator that was fast-forwarded past the consumed steps.
     """
-    if steps == 0:
-        return None
     load = getattr(source, "load_state_dict", None)
     if source_state is not None and callable(load):
         load(source_state)
+        return None
+    if steps == 0:
         return None
     if not hasattr(source, "__iter__"):
         raise ResumeError(

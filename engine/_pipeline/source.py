@@ -90,6 +90,14 @@ class SourceReader:
             state.fail(getattr(exc, "_evenflow_stage", "source"), exc)
         return state
 
+    async def position(self) -> Any:
+        """The source's ``state_dict()`` before the pass's first read (``None`` without one
+        or when it fails there): where a restore in the pass's first balance window starts."""
+        try:
+            return await self._on_source_thread(self._source_state)
+        except Exception:
+            return None
+
     async def aclose(self) -> None:
         """Release the pass's iterator: a generator is closed (its ``finally`` blocks run) and
         the reference dropped, which is what shuts down a ``DataLoader`` iterator's worker

@@ -92,6 +92,25 @@ class StepStats:
         return self.decision.outlier_bound
 
     @property
+    def outlier_excess(self) -> float:
+        """On an outlier-bound step, the cost its costliest sample adds above a perfectly
+        balanced step: ``min(largest_cost, max_cost_after) - mean_cost`` (0 on other steps).
+        No layout of the step's own samples can remove it; only moving samples between steps
+        can (``LoaderConfig.balance_window``)."""
+        d = self.decision
+        if not d.outlier_bound:
+            return 0.0
+        return max(0.0, min(d.largest_cost, self.max_cost_after) - d.mean_cost)
+
+    @property
+    def outlier_share(self) -> float:
+        """The share of the step's cost above a perfectly balanced step
+        (``max_cost_after - mean_cost``) that its outlier explains: 1.0 when the step sits
+        at its costliest sample, 0.0 when the step is not outlier-bound."""
+        excess = self.max_cost_after - self.decision.mean_cost
+        return min(1.0, self.outlier_excess / excess) if excess > 0 else 0.0
+
+    @property
     def predicted_speedup(self) -> float:
         """``max_cost_before / max_cost_after``: the step-time ratio the plan predicts."""
         after = self.max_cost_after
@@ -124,6 +143,8 @@ class StepStats:
             "gap": d.gap,
             "at_bound": d.at_bound,
             "outlier_bound": d.outlier_bound,
+            "outlier_excess": self.outlier_excess,
+            "outlier_share": self.outlier_share,
             "digest": self.digest,
         }
 
@@ -134,9 +155,14 @@ class StepStats:
             else 0.0
         )
         verdict = "accepted" if self.decision.accepted else "kept source"
+        outlier = (
+            f" explaining {self.outlier_share:.0%} of the cost above balance"
+            if self.outlier_bound
+            else ""
+        )
         return (
             f"step {self.step}: max cost {self.max_cost_before:.4g} -> "
-            f"{self.max_cost_after:.4g} ({change:+.1f}%), {self.decision.verdict()}, "
+            f"{self.max_cost_after:.4g} ({change:+.1f}%), {self.decision.verdict()}{outlier}, "
             f"moved {self.num_moved} samples, {verdict} "
             f"(gain {self.decision.relative_gain:.3f} vs min {self.decision.min_balance_gain:g})"
         )
@@ -193,18 +219,28 @@ class BalanceTally:
     """How close to their bounds the delivered steps were (``trace_summary()["balance"]``).
 
     Counts steps, steps at their bound, outlier-bound steps and steps whose plan stayed more
-    than 5% above its bound, and keeps the mean and largest gap. Plain counters: a loader
-    adds each delivered step once.
+    than 5% above its bound, and keeps the mean and largest gap; sums the steps' planned cost
+    (``max_cost_after``) and the part of it their outliers add (``outlier_excess``). Plain
+    counters: a loader adds each delivered step once.
     """
 
-    __slots__ = ("_at_bound", "_gap_sum", "_max_gap", "_outlier", "_steps", "_wide")
+    __slots__ = (
+        "_at_bound",
+        "_cost",
+        "_gap_sum",
+        "_max_gap",
+        "_outlier",
+        "_outlier_cost",
+        "_steps",
+        "_wide",
+    )
 
     # A plan this far above its bound is counted as "wide": worth a look at the step.
     WIDE_GAP = 0.05
 
     def __init__(self) -> None:
         self._steps = self._at_bound = self._outlier = self._wide = 0
-        self._gap_sum = self._max_gap = 0.0
+        self._gap_sum = self._max_gap = self._cost = self._outlier_cost = 0.0
 
     def add(self, stats: StepStats) -> None:
         gap = stats.gap
@@ -214,10 +250,26 @@ class BalanceTally:
         self._wide += gap > self.WIDE_GAP
         self._gap_sum += gap
         self._max_gap = max(self._max_gap, gap)
+        self._cost += stats.max_cost_after
+        self._outlier_cost += stats.outlier_excess
+
+    @property
+    def outlier_fraction(self) -> float:
+        """The share of the steps that were outlier-bound."""
+        return self._outlier / self._steps if self._steps else 0.0
+
+    @property
+    def outlier_cost_fraction(self) -> float:
+        """The share of the steps' planned cost (sum of ``max_cost_after``) that their
+        outliers add above perfectly balanced steps (sum of ``outlier_excess``)."""
+        return self._outlier_cost / self._cost if self._cost > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
         """``steps``, ``at_bound``, ``outlier_bound``, ``over_5_percent`` (counts),
-        ``mean_gap`` and ``max_gap`` (fractions: 0.05 = 5% above the bound)."""
+        ``mean_gap`` and ``max_gap`` (fractions: 0.05 = 5% above the bound),
+        ``outlier_fraction`` (share of steps outlier-bound), ``outlier_cost`` (the cost their
+        outliers add, in cost-model units) and ``outlier_cost_fraction`` (its share of the
+        steps' planned cost)."""
         return {
             "steps": self._steps,
             "at_bound": self._at_bound,
@@ -225,4 +277,7 @@ class BalanceTally:
             "over_5_percent": self._wide,
             "mean_gap": self._gap_sum / self._steps if self._steps else 0.0,
             "max_gap": self._max_gap,
+            "outlier_fraction": self.outlier_fraction,
+            "outlier_cost": self._outlier_cost,
+            "outlier_cost_fraction": self.outlier_cost_fraction,
         }

@@ -69,7 +69,8 @@ class StepState:
     sizes: list[int] | None = None  # samples per bin of ``samples``
     metas: list[SampleMetadata] | None = None
     prepared: list[Any] | None = None  # payload mode: each sample prepared for the wire
-    source_state: Any = None
+    source_state: Any = None  # the source's state right after this step was read
+    resume_source: Any = None  # the source state a checkpoint taken after this step records
     steps_left: int | None = None  # source steps after this one, where the source has a len()
     error: BaseException | None = None
     error_stage: str = ""
@@ -91,6 +92,30 @@ class StepState:
     staged_now: bool = False  # staged in ``pack`` (else it waited on the host, pinned)
     device_slot: bool = False  # holds one of the pipeline's device slots
     confirmed: asyncio.Future[None] | None = None
+    # Balance windows: the samples this rank read in every step of the window, by step (one
+    # dict shared by the window's steps; a sample's entry is dropped once the step that trains
+    # it has sent or packed it), whether this step was delivered before a restore (planned,
+    # never exchanged or delivered again), and whether the round that ended the pass fell in
+    # the middle of a window (a final round then confirms the window's steps).
+    window_samples: dict[int, list[Any]] | None = None
+    window_prepared: dict[int, list[Any]] | None = None  # the window's wire frames, by step
+    window_messages: dict[int, list[dict[str, Any]]] | None = None  # the window's rounds
+    skip: bool = False
+    final_pending: bool = False
+
+    def local_samples(self) -> dict[int, list[Any]]:
+        """This rank's samples a plan of this step may name, by the step that read them."""
+        if self.window_samples is not None:
+            return self.window_samples
+        assert self.samples is not None
+        return {self.step: self.samples}
+
+    def step_messages(self) -> dict[int, list[dict[str, Any]]]:
+        """Every rank's metadata message of each step a plan of this step may name."""
+        if self.window_messages is not None:
+            return self.window_messages
+        assert self.messages is not None
+        return {self.step: self.messages}
 
     def fail(self, stage: str, exc: BaseException) -> None:
         if self.error is None:
@@ -98,6 +123,9 @@ class StepState:
 
     def release_payloads(self) -> None:
         self.samples = None
+        self.window_samples = None
+        self.window_prepared = None
+        self.window_messages = None
         self.prepared = None
         self.messages = None
         self.received = {}

@@ -16,7 +16,7 @@ from evenflow.engine._pipeline.pass_report import uneven_end
 from evenflow.engine._pipeline.step import StepState, check_digests, error_info, remote_error
 from evenflow.engine.errors import GroupMismatchError, ResumeError, SourceExhaustedError
 
-__all__ = ["confirm_prev", "judge_round", "prev_status"]
+__all__ = ["confirm_prev", "confirm_reports", "judge_round", "prev_status", "window_reports"]
 
 
 def prev_status(prev: StepState | None, rank: int) -> dict[str, Any] | None:
@@ -56,6 +56,35 @@ def confirm_prev(
             prev.remote = exc
     if not prev.confirmed.done():
         prev.confirmed.set_result(None)
+
+
+def window_reports(settled: Sequence[StepState], rank: int) -> list[dict[str, Any]] | None:
+    """This rank's reports on the steps of a balance window settled since the last round
+    (the ``prev`` of a message when ``balance_window > 1``: a list, one report per step)."""
+    reports = [prev_status(state, rank) for state in settled]
+    return [r for r in reports if r is not None] or None
+
+
+def confirm_reports(
+    settled: Sequence[StepState],
+    reports: Sequence[Any],
+    rank: int,
+    global_ranks: tuple[int, ...],
+) -> None:
+    """:func:`confirm_prev` for each of ``settled`` with every rank's report on its step
+    (``reports[r]``: rank ``r``'s list from :func:`window_reports`; peer data, so anything
+    that is not a list of reports counts as no report)."""
+    by_rank: list[dict[int, dict[str, Any]]] = []
+    for sent in reports:
+        found: dict[int, dict[str, Any]] = {}
+        if isinstance(sent, list):
+            for r in sent:
+                step = r.get("step") if isinstance(r, dict) else None
+                if isinstance(step, int) and not isinstance(step, bool):
+                    found[step] = r
+        by_rank.append(found)
+    for state in settled:
+        confirm_prev(state, [f.get(state.step) for f in by_rank], rank, global_ranks)
 
 
 def judge_round(

@@ -32,6 +32,11 @@ pipeline (sum of its stage spans per step). Targets, each printed PASS/MISS:
   time: a run without the hooks does not exist to compare with), enabled < 3% (median step
   time with ``Tracer(chrome=...)`` against ``tracer=None``).
 
+Then the balance-window view (:mod:`.pipeline_window`, skipped with ``--window 1``): measured
+throughput at ``balance_window=W`` (default 4) against ``W = 1`` on a long-context workload,
+with the simulated compute of each rank taken from the planned costs, beside the ratio the
+plans predict.
+
 Limits: step times on a shared 2-core machine vary by several percent between runs; the
 tracing comparison in particular is at the edge of that noise (rerun before concluding).
 """
@@ -59,6 +64,12 @@ from evenflow.engine._pipeline.pack import default_pack_fn
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
+from evenflow.engine._tools.bench.pipeline_window import (
+    print_window,
+    run_window_cases,
+    summarize_window,
+    window_targets,
+)
 from evenflow.engine._tracing import NullTracer, Tracer
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError
@@ -316,7 +327,8 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
                     results[case] = asyncio.run(_run_async(config_name, transport, case_spec, rank))
             finally:
                 asyncio.run(transport.aclose())
-    return {"cases": results, "seconds_per_cost": spec["seconds_per_cost"]}
+    window = run_window_cases(rank, num_ranks, spec) if spec["window"] > 1 else None
+    return {"cases": results, "seconds_per_cost": spec["seconds_per_cost"], "window": window}
 
 
 # -- the parent side --------------------------------------------------------------------------
@@ -372,6 +384,8 @@ def _summarize(
             entry["mean_max_cost_after"] = after / len(costs)
         out["cases"][case] = entry
     out["seconds_per_cost"] = result["seconds_per_cost"]
+    if result.get("window") is not None:
+        out["window"] = summarize_window(result["window_size"], [r["window"] for r in ranks])
     return out
 
 
@@ -431,6 +445,8 @@ def _targets(worlds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "note": f"{round(traced.get('spans_per_step', 0))} NullTracer spans per step",
                 }
             )
+        if "window" in world:
+            targets.extend(window_targets(n, world["window"]))
     return targets
 
 
@@ -468,6 +484,8 @@ def _print_text(doc: dict[str, Any]) -> None:
         "  stall*: trace_summary()['caller'] over the whole run (includes filling the "
         "pipeline); pipe ms: pipeline stage time per step (traced run)"
     )
+    if doc["config"]["window"] > 1:
+        print_window(doc["worlds"], doc["config"])
     print("\ntargets")
     for t in doc["targets"]:
         print(
@@ -510,6 +528,18 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         default="default",
         help="balancing algorithm of every balanced configuration",
     )
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=4,
+        help="balance window compared with 1 on long-context steps (default 4; 1 skips it)",
+    )
+    parser.add_argument(
+        "--window-steps",
+        type=int,
+        default=None,
+        help="steps per balance-window case (default 32, 12 with --quick)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument(
         "--deadline",
@@ -532,8 +562,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench pipeline
     steps = args.steps if args.steps is not None else (6 if args.quick else 40)
     world_sizes = args.ranks if args.ranks is not None else ([2] if args.quick else [2, 4])
     target_ms = args.compute_ms if args.compute_ms is not None else (20.0 if args.quick else 60.0)
+    window_steps = (
+        args.window_steps if args.window_steps is not None else (12 if args.quick else 32)
+    )
     try:
         check_int("--steps", steps, minimum=_WARMUP + 2)
+        check_int("--window", args.window, minimum=1)
+        check_int("--window-steps", window_steps, minimum=2 * args.window)
         check_number("--compute-ms", target_ms, minimum=0.0, strict_minimum=True)
         check_int("--seed", args.seed, minimum=0)
         check_number("--deadline", args.deadline, minimum=0.0, strict_minimum=True)
@@ -553,6 +588,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench pipeline
             "timeout": 30.0,
             "trace_dir": trace_dir,
             "algorithm": args.algorithm,
+            "window": args.window,
+            "window_steps": window_steps,
         }
         for n in world_sizes:
             print(f"{prog}: {n} ranks ...", file=sys.stderr)
@@ -561,7 +598,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench pipeline
             except LaunchError as exc:
                 print(f"{prog}: error: {exc}", file=sys.stderr)
                 return 1
-            worlds.append(_summarize(n, ranks[0], ranks))
+            worlds.append(_summarize(n, {**ranks[0], "window_size": args.window}, ranks))
     doc: dict[str, Any] = {
         "benchmark": "pipeline",
         "config": {
@@ -573,6 +610,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench pipeline
             "ranks": list(world_sizes),
             "algorithm": args.algorithm,
             "warmup_steps": _WARMUP,
+            "window": args.window,
+            "window_steps": window_steps,
             "quick": args.quick,
             "reference": "sync-ref: read, gather, plan, exchange and pack on the critical path "
             "of every step (no prefetch), same Planner and GlooTransport",
