@@ -2,7 +2,9 @@
 mode against shared-dataset mode on the same steps.
 
 On the same ranks, in one run, with the same locally generated payloads (packed-sequence
-samples: 512-32k int32 tokens, as many int32 labels and a small dict each), it times:
+samples: 512-32k int32 tokens, as many int32 labels and a small dict each), every one bound
+for another rank as a moved sample is (a sample that stays never enters the exchange), it
+times:
 
 * **evenflow**: ``GlooTransport.exchange_sized``, the engine's path: ONE uint8
   ``all_to_all_single`` whose splits every rank knows from the frame sizes the metadata round
@@ -17,8 +19,7 @@ samples: 512-32k int32 tokens, as many int32 labels and a small dict each), it t
 * **raw fresh**: the same with a new output tensor per call, as a user's own call would do;
 * **gather + raw**: each peer-bound token and label array copied into its place in the reused
   send buffer, then the raw call: the least any design must do with ``all_to_all_single``,
-  which takes one contiguous buffer (the call also copies the rank's own segment, the copy a
-  non-aliasing self-send needs). ``vs gather`` shows how much of that floor evenflow's
+  which takes one contiguous buffer. ``vs gather`` shows how much of that floor evenflow's
   framing (headers, validation, decoding, thread hop) leaves;
 * **pickled**: ``all_gather_object`` of each rank's whole outgoing dict, every rank keeping
   its share: the naive approach.
@@ -73,7 +74,11 @@ _PICKLE_TARGET_RANKS = 4
 def _payload(
     rank: int, num_ranks: int, total_bytes: int, seed: int
 ) -> tuple[dict[int, list[tuple[Hashable, Any]]], list[int]]:
-    """Samples worth ``total_bytes`` of arrays, dealt round-robin to every rank (self too)."""
+    """Samples worth ``total_bytes`` of arrays, dealt round-robin to the other ranks.
+
+    Only peers: the engine never exchanges a sample with its own rank (one that stays is
+    packed where it was read, see ``rank_routes``), so a self-bound share would time copies
+    that no step makes, in every method alike."""
     rng = np.random.default_rng(seed * 1009 + rank)
     outgoing: dict[int, list[tuple[Hashable, Any]]] = {t: [] for t in range(num_ranks)}
     per_target = [0] * num_ranks
@@ -87,7 +92,7 @@ def _payload(
             "labels": np.roll(tokens, -1),
             "meta": {"source": "web", "doc": index, "length": length, "weight": 1.0},
         }
-        target = index % num_ranks
+        target = (rank + 1 + index % (num_ranks - 1)) % num_ranks
         outgoing[target].append(((rank, index), sample))
         per_target[target] += 8 * length
         made += 8 * length
@@ -512,6 +517,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
     add_report_only(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     ranks = args.ranks or ([2] if args.quick else [2, 4])
+    if min(ranks) < 2:
+        parser.error(
+            f"--ranks must all be >= 2 (an exchange moves samples between ranks), got "
+            f"{' '.join(map(str, ranks))}."
+        )
     sizes = args.sizes_mib or ([1] if args.quick else [1, 4, 16, 64])
     repeats = args.repeats or (2 if args.quick else 5)
     if repeats < 1:
