@@ -202,6 +202,23 @@ def test_a_comma_list_is_answered_with_the_space_separated_spelling(
     assert "--ranks" in err and "write 2 4, not 2,4" in err
 
 
+def test_bench_exchange_refuses_a_single_rank_and_sends_only_to_peers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from evenflow.engine._tools.bench import exchange
+
+    with pytest.raises(SystemExit) as info:
+        exchange.main(["--ranks", "1", "2"])
+    assert info.value.code == 2
+    assert "--ranks must all be >= 2" in capsys.readouterr().err
+    # The engine never exchanges a sample with its own rank, so neither does the benchmark.
+    for rank in range(3):
+        outgoing, per_target = exchange._payload(rank, 3, 1 << 20, seed=0)
+        assert outgoing[rank] == [] and per_target[rank] == 0
+        assert all(outgoing[peer] for peer in range(3) if peer != rank)
+        assert sum(per_target) >= (1 << 20) - 8
+
+
 def test_the_cli_reference_states_the_no_skip_threshold_of_the_code() -> None:
     from pathlib import Path
 
