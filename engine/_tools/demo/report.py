@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -283,6 +283,71 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
 # -- text ---------------------------------------------------------------------------------------
 
 
+#: Rows of the per-arm table: label, how an arm's record shows, what it means.
+_ARM_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str], str], ...] = (
+    (
+        "share of cores",
+        lambda a: f"{a['core_share'] * 100:.0f}%",
+        "CPU time / wall time of compute (100% = the ranks had their cores)",
+    ),
+    (
+        "imbalance, measured",
+        lambda a: f"{a['imbalance']:.2f}",
+        "slowest rank's compute / average rank's, step by step (1.00 = even)",
+    ),
+    (
+        "imbalance, predicted",
+        lambda a: f"{a['predicted_imbalance']:.2f}",
+        "the same ratio from the cost model",
+    ),
+    (
+        "data stall",
+        lambda a: f"{a['data_stall_fraction'] * 100:.1f}%",
+        "share of step time spent waiting for the next batch",
+    ),
+    (
+        "samples moved",
+        lambda a: f"{a['samples_moved']} of {a['samples']}",
+        "samples the plans sent to another rank",
+    ),
+    (
+        "loss, first -> last step",
+        lambda a: f"{a['losses'][0]:.2f} -> {a['losses'][-1]:.2f}",
+        "mean next-token loss over the world's tokens",
+    ),
+)
+
+
+def _times(key: str) -> Callable[[dict[str, Any]], str | None]:
+    """An arm's speedup ``key`` as ``1.23x``; None where the record has none."""
+    return lambda a: f"{a[key]:.2f}x" if key in a else None
+
+
+#: The speedup rows; a row shows only when every arm has its figure.
+_SPEEDUP_ROWS: tuple[tuple[str, Callable[[dict[str, Any]], str | None], str], ...] = (
+    (
+        "speedup, measured",
+        _times("speedup"),
+        "step time of balancing off / this arm's (wall clock)",
+    ),
+    (
+        "speedup, predicted",
+        _times("predicted_speedup"),
+        "by the cost model the plans used (fitted at start-up)",
+    ),
+    (
+        "speedup, re-predicted",
+        _times("refit_predicted_speedup"),
+        "by that model re-fitted to the sequences training timed",
+    ),
+    (
+        "speedup, CPU time",
+        _times("cpu_speedup"),
+        "of the slowest rank's compute: what dedicated cores would see",
+    ),
+)
+
+
 def format_report(report: dict[str, Any]) -> str:
     """The text a person reads: what ran, what balancing changed, and where the files are."""
     c, arms, files = report["config"], report["arms"], report["files"]
@@ -312,9 +377,12 @@ def format_report(report: dict[str, Any]) -> str:
     def row(label: str, values: Sequence[str], meaning: str = "") -> None:
         lines.append(f"{label:<32}" + "".join(f"{v:>20}" for v in values) + f"   {meaning}")
 
-    row(
+    def by_arm(label: str, form: Callable[[dict[str, Any]], str], meaning: str) -> None:
+        row(label, [form(arms[n]) for n in names], meaning)
+
+    by_arm(
         "step time (s)",
-        [f"{arms[n]['step_time_s']:.3f}" for n in names],
+        lambda a: f"{a['step_time_s']:.3f}",
         "one training step; every rank waits for the slowest",
     )
     for r in range(c["ranks"]):
@@ -323,58 +391,13 @@ def format_report(report: dict[str, Any]) -> str:
             [f"{arms[n]['compute_cpu_per_rank_s'][r]:.3f}" for n in names],
             "forward+backward of this rank's packed sequences" if r == 0 else "",
         )
-    row(
-        "share of cores",
-        [f"{arms[n]['core_share'] * 100:.0f}%" for n in names],
-        "CPU time / wall time of compute (100% = the ranks had their cores)",
-    )
-    row(
-        "imbalance, measured",
-        [f"{arms[n]['imbalance']:.2f}" for n in names],
-        "slowest rank's compute / average rank's, step by step (1.00 = even)",
-    )
-    row(
-        "imbalance, predicted",
-        [f"{arms[n]['predicted_imbalance']:.2f}" for n in names],
-        "the same ratio from the cost model",
-    )
-    row(
-        "data stall",
-        [f"{arms[n]['data_stall_fraction'] * 100:.1f}%" for n in names],
-        "share of step time spent waiting for the next batch",
-    )
-    row(
-        "samples moved",
-        [f"{arms[n]['samples_moved']} of {arms[n]['samples']}" for n in names],
-        "samples the plans sent to another rank",
-    )
-    row(
-        "loss, first -> last step",
-        [f"{arms[n]['losses'][0]:.2f} -> {arms[n]['losses'][-1]:.2f}" for n in names],
-        "mean next-token loss over the world's tokens",
-    )
+    for label, form, meaning in _ARM_ROWS:
+        by_arm(label, form, meaning)
     lines.append("")
-    row(
-        "speedup, measured",
-        [f"{arms[n]['speedup']:.2f}x" for n in names],
-        "step time of balancing off / this arm's (wall clock)",
-    )
-    row(
-        "speedup, predicted",
-        [f"{arms[n]['predicted_speedup']:.2f}x" for n in names],
-        "by the cost model the plans used (fitted at start-up)",
-    )
-    if all("refit_predicted_speedup" in arms[n] for n in names):
-        row(
-            "speedup, re-predicted",
-            [f"{arms[n]['refit_predicted_speedup']:.2f}x" for n in names],
-            "by that model re-fitted to the sequences training timed",
-        )
-    row(
-        "speedup, CPU time",
-        [f"{arms[n]['cpu_speedup']:.2f}x" for n in names],
-        "of the slowest rank's compute: what dedicated cores would see",
-    )
+    for label, speedup, meaning in _SPEEDUP_ROWS:
+        shown = [speedup(arms[n]) for n in names]
+        if None not in shown:
+            row(label, [str(v) for v in shown], meaning)
     lines.append("")
     for name in names[1:]:
         arm = arms[name]
