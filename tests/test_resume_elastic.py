@@ -196,7 +196,8 @@ def _refusals(world: _World, root: str) -> Any:
 
 def _record_windowed(world: _World, root: str, spec: list[Any]) -> Any:
     """One uninterrupted epoch planned in balance windows, saved with DCP after each step in
-    ``cuts``; ``spec``: (window, kind, depth, cuts) as in ``WINDOWED``."""
+    ``cuts`` and once the epoch is over; ``spec``: (window, kind, depth, cuts) as in
+    ``WINDOWED``."""
     window, kind, depth, cuts = spec
     batches = []
     with _loader(world, depth, kind, balance_window=window) as loader:
@@ -204,6 +205,9 @@ def _record_windowed(world: _World, root: str, spec: list[Any]) -> Any:
             batches.append(batch)
             if loader.step in cuts:
                 world.save({"loader": loader}, f"{root}/window-{world.size}-{loader.step}")
+        # The epoch's last window ended early (with the source): over, it is a boundary.
+        if loader.step not in cuts:
+            world.save({"loader": loader}, f"{root}/window-{world.size}-{loader.step}")
     return batches
 
 
@@ -361,13 +365,16 @@ def test_wrong_restores_are_refused_on_every_rank_and_max_steps_may_grow(
 #: saved at window boundaries and inside a window.
 WINDOWED = {4: (2, "dataset", 3, (1, 2, 4)), 2: (3, "shared", 1, (3, 4))}
 
+#: The cut after the whole epoch: 29 steps on 2 ranks, whose last window of 3 ends early.
+END = -1
+
 #: (ranks saved, cut, prefetch depth restored, source mode) per number of restoring ranks: at
 #: a boundary onto other ranks, inside a window onto the same ranks (bitwise) and onto other
 #: ranks (refused).
 WINDOW_RUNS = {
     2: [(4, 2, 1, "shared"), (4, 4, 3, "dataset"), (2, 4, 3, "shared"), (4, 1, 1, "dataset")],
-    3: [(4, 2, 3, "shared"), (2, 3, 1, "dataset"), (2, 4, 1, "dataset")],
-    4: [(2, 3, 3, "dataset"), (4, 1, 1, "shared"), (2, 4, 1, "shared")],
+    3: [(4, 2, 3, "shared"), (2, 3, 1, "dataset"), (2, 4, 1, "dataset"), (2, END, 3, "shared")],
+    4: [(2, 3, 3, "dataset"), (4, 1, 1, "shared"), (2, 4, 1, "shared"), (2, END, 1, "dataset")],
 }
 
 
@@ -395,13 +402,18 @@ def test_balance_windows_move_samples_between_the_steps_of_a_window(
 def test_a_windowed_checkpoint_changes_ranks_at_a_window_boundary_only(
     pool: RankPool, root: Path, recorded_windows: dict[int, Any], ranks: int
 ) -> None:
-    runs = [(*run, WINDOWED[run[0]][0]) for run in WINDOW_RUNS[ranks]]
+    runs = [
+        (saved, len(recorded_windows[saved][0]) if cut == END else cut, depth, kind, window)
+        for saved, cut, depth, kind in WINDOW_RUNS[ranks]
+        for window in [WINDOWED[saved][0]]
+    ]
     resumed = _run(pool, ranks, _resume_windowed, str(root), runs)
     everything = {r["id"] for r in _rows()}
     for at, (saved, cut, depth, kind, window) in enumerate(runs):
         where = f"{saved} -> {ranks} ranks at step {cut}, window {window}, depth {depth}, {kind}"
         results = [r[at] for r in resumed]
-        if cut % window and saved != ranks:
+        over = cut == len(recorded_windows[saved][0])  # the epoch is over: no window is open
+        if cut % window and not over and saved != ranks:
             # Inside a window onto other ranks: refused on every rank, naming the window.
             for rank, message in enumerate(results):
                 assert isinstance(message, str), (where, rank)
@@ -417,13 +429,13 @@ def test_a_windowed_checkpoint_changes_ranks_at_a_window_boundary_only(
         want_rest, want_following = _dealt(saved, cut, ranks)
         # The next epoch is the new ranks' dealing, planned window by window.
         assert _windows(following, window) == _windows(want_following, window), where
-        if cut % window:
+        if cut % window and not over:
             # Inside a window onto the same ranks: bitwise the uninterrupted run, per rank.
             for rank in range(ranks):
                 assert results[rank][0] == recorded_windows[saved][rank][cut:], (where, rank)
             continue
-        # At a boundary: the rest of the epoch is the source's dealing onto the new ranks,
-        # window by window (samples move between the steps of a window, never out of it) ...
+        # At a boundary (or the end): the rest of the epoch is the source's dealing onto the
+        # new ranks, window by window (samples move between a window's steps, never out) ...
         assert _windows(rest, window, cut) == _windows(want_rest, window, cut), where
         # ... so the epoch delivers every sample at most once, and all but the remainder.
         epoch = collections.Counter(i for step in before + rest for i in step)
