@@ -5,7 +5,8 @@ with ``dcp.load`` on M ranks delivers the rest of the interrupted epoch exactly 
 against the source's own dealing, step by step, over all ranks), and the next epoch with the
 M-rank sharding; N -> N is bitwise the uninterrupted run; ``max_steps`` may change; a changed
 identity field, ranks saved at different steps, and a per-rank source moved to other ranks are
-refused on every rank, naming why.
+refused on every rank, naming why (onto more ranks, by DCP itself: the new ranks' keys are
+missing from the checkpoint).
 
 With a balance window a sample may train in another step of its window, so the oracle is the
 dealing window by window: a state saved at a window boundary restores onto any number of ranks,
@@ -194,6 +195,34 @@ def _refusals(world: _World, root: str) -> Any:
     return messages, longer
 
 
+def _onto_more_ranks(world: _World, root: str) -> Any:
+    """A per-rank (IterableSource) state saved on 2 ranks, loaded on these 4: with DCP's
+    default planner, and with a partial load that lets missing keys keep the loader's own."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
+
+    from evenflow.engine.errors import ResumeError
+
+    out: dict[str, Any] = {}
+    with _loader(world, 1, kind="iterable") as loader:
+        try:
+            world.load({"loader": loader}, f"{root}/iterable-2-1")
+        except CheckpointException as exc:  # a BaseException
+            out["strict"] = str(exc)
+        out["step"] = loader.step
+    with _loader(world, 1, kind="iterable") as loader:
+        try:
+            dcp.load(
+                {"loader": loader},
+                checkpoint_id=f"{root}/iterable-2-1",
+                process_group=world.dcp,
+                planner=DefaultLoadPlanner(allow_partial_load=True),
+            )
+        except ResumeError as exc:
+            out["partial"] = str(exc)
+    return out
+
+
 def _record_windowed(world: _World, root: str, spec: list[Any]) -> Any:
     """One uninterrupted epoch planned in balance windows, saved with DCP after each step in
     ``cuts`` and once the epoch is over; ``spec``: (window, kind, depth, cuts) as in
@@ -359,6 +388,29 @@ def test_wrong_restores_are_refused_on_every_rank_and_max_steps_may_grow(
         assert "saved at different steps" in messages["skewed"], rank
         # Extending max_steps from 3 to 6 delivers steps 3..5 of the uninterrupted run.
         assert longer == recorded[2][rank][3:6], rank
+
+
+def test_a_per_rank_source_restored_onto_more_ranks_is_refused_on_every_rank(
+    pool: RankPool, root: Path, recorded: dict[int, Any]
+) -> None:
+    """Ranks 2 and 3 have no entry in a 2-rank checkpoint: DCP's planner refuses the keys they
+    ask for before any state is read, and reports it on every rank; nothing is restored."""
+    results = _run(pool, 4, _onto_more_ranks, str(root))
+    per_rank = "keeps a position of its own on each rank"
+    for rank, out in enumerate(results):
+        # The default planner: every rank raises, naming the keys ranks 2 and 3 lack.
+        for missing in (2, 3):
+            assert (
+                f"Missing key in checkpoint state_dict: loader.ranks.{missing}." in (out["strict"])
+            ), rank
+        assert out["step"] == 0, rank
+        # A partial load reaches load_state_dict: ranks 0 and 1 find their 2-rank entries,
+        # ranks 2 and 3 only their own; each refuses, naming why.
+        if rank < 2:
+            assert f"saved as group rank {rank} of the group [0, 1]" in out["partial"], rank
+        else:
+            assert "the checkpoint has no entry for this rank" in out["partial"], rank
+        assert per_rank in out["partial"], rank
 
 
 #: Uninterrupted epochs planned in balance windows: ranks -> (window, mode, depth, cuts); each

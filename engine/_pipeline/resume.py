@@ -224,9 +224,13 @@ def read_state(
     if (entry["epoch"], entry["step"]) != (epoch, step):
         raise ResumeError(
             f"The state of rank {process_rank} is at epoch {entry['epoch']} step "
-            f"{entry['step']}, but its shared fields say epoch {epoch} step {step}: the ranks "
-            "were saved at different steps and the checkpoint kept one rank's shared fields. "
-            "Save every rank at the same step."
+            f"{entry['step']}, but its shared fields say epoch {epoch} step {step}. Either the "
+            "ranks were saved at different steps and the checkpoint kept one rank's shared "
+            "fields (save every rank at the same step), or the checkpoint has no entry for "
+            "this rank and a partial load (torch.distributed.checkpoint's "
+            "DefaultLoadPlanner(allow_partial_load=True)) left this loader's own in place: the "
+            "state was then saved on other ranks, and cannot be restored here because "
+            f"{not_elastic_reason(source)}."
         )
     read_from = _read_from(entry, step, window)
     source_state = entry["source"]
