@@ -415,7 +415,7 @@ typedef struct {
     double *bin_cost, *load;
     /* scratch: n entries each */
     int64_t *heavy, *light, *kept, *xlight, *ia, *ib, *ic, *tp;
-    double *key, *cp;
+    double *key, *cp, *lld;
     /* scratch: one entry per rank (rooms: ranks * per) */
     int64_t *rooms, *first, *second, *best_k, *begin, *size, *pos, *order;
     unsigned char *stuck;
@@ -424,6 +424,12 @@ typedef struct {
     Py_ssize_t nbud;
     const double *bud, *limits;
     double *bin_bud, *run;
+    /* Sorted views kept between attempts (an attempt changes two ranks; re-sorting every
+       partner's samples each time was most of a small step's search): each rank's samples
+       by (cost, index), each bin's by (tokens, index); a flag marks one stale when a sample
+       enters or leaves. Both orders are total, so a cached view equals a fresh sort. */
+    vec_t *rank_sorted, *bin_sorted;
+    unsigned char *rank_stale, *bin_stale;
 } search_t;
 
 static int vec_push(vec_t *vec, int64_t value) {
@@ -522,9 +528,16 @@ static inline int budgets_hold(const search_t *s, const double *base, const doub
     return 1;
 }
 
+static inline void mark_stale(search_t *s, int64_t b) {
+    s->bin_stale[b] = 1;
+    s->rank_stale[b / s->per] = 1;
+}
+
 static int relocate(search_t *s, int64_t i, int64_t src, int64_t dst) {
     /* Room first: a failed allocation must leave the sample where bin_of says it is. */
     if (vec_push(&s->members[dst], i) < 0) return -1;
+    mark_stale(s, src);
+    mark_stale(s, dst);
     s->members[dst].n--;
     vec_remove(&s->members[src], i);
     s->members[dst].v[s->members[dst].n++] = i;
@@ -731,20 +744,69 @@ static int bin_tokens_up(const search_t *s, int64_t i, int64_t j) {
     return i < j;
 }
 
-/* _swap */
+/* Room for exactly n entries in vec (its contents undefined); -1 when out of memory. */
+static int vec_resize(vec_t *vec, Py_ssize_t n) {
+    if (n > vec->cap) {
+        Py_ssize_t cap = n < 8 ? 8 : n;
+        int64_t *v = (int64_t *)realloc(vec->v, sizeof(int64_t) * (size_t)cap);
+        if (v == NULL) return -1;
+        vec->v = v;
+        vec->cap = cap;
+    }
+    vec->n = n;
+    return 0;
+}
+
+static Py_ssize_t rank_count(const search_t *s, int64_t r) {
+    Py_ssize_t m = 0;
+    for (Py_ssize_t b = r * s->per; b < (r + 1) * s->per; b++) m += s->members[b].n;
+    return m;
+}
+
+/* Rank r's samples by (cost, index), re-sorted only when stale; NULL when out of memory.
+   Sorting uses s->ic as scratch. */
+static const vec_t *rank_by_cost(search_t *s, int64_t r) {
+    vec_t *view = &s->rank_sorted[r];
+    if (s->rank_stale[r]) {
+        if (vec_resize(view, rank_count(s, r)) < 0) return NULL;
+        rank_samples(s, r, view->v);
+        sort_samples(s, view->v, view->n, s->ic, cost_up);
+        s->rank_stale[r] = 0;
+    }
+    return view;
+}
+
+/* Bin b's samples by (tokens, index), likewise. */
+static const vec_t *bin_by_tokens(search_t *s, int64_t b) {
+    vec_t *view = &s->bin_sorted[b];
+    if (s->bin_stale[b]) {
+        const vec_t *members = &s->members[b];
+        if (vec_resize(view, members->n) < 0) return NULL;
+        if (members->n) memcpy(view->v, members->v, sizeof(int64_t) * (size_t)members->n);
+        sort_samples(s, view->v, view->n, s->ic, bin_tokens_up);
+        s->bin_stale[b] = 0;
+    }
+    return view;
+}
+
+/* _swap (-1 when out of memory) */
 static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh_all,
                        const int64_t *targets, Py_ssize_t nt, double tol, change_t *best) {
     double top = s->load[a];
     int64_t *light = s->light;
     Py_ssize_t L = 0;
+    double cl_min = INFINITY;
     for (Py_ssize_t t = 0; t < nt; t++) {
         s->begin[t] = L;
-        s->size[t] = rank_samples(s, targets[t], light + L);
+        s->size[t] = 0;
+        for (Py_ssize_t b = targets[t] * s->per; b < (targets[t] + 1) * s->per; b++) {
+            const vec_t *members = &s->members[b];
+            for (Py_ssize_t k = 0; k < members->n; k++) {
+                if (s->cost[members->v[k]] < cl_min) cl_min = s->cost[members->v[k]];
+            }
+            s->size[t] += members->n;
+        }
         L += s->size[t];
-    }
-    double cl_min = INFINITY;
-    for (Py_ssize_t k = 0; k < L; k++) {
-        if (s->cost[light[k]] < cl_min) cl_min = s->cost[light[k]];
     }
     int64_t *kept = s->kept;
     Py_ssize_t nh = 0;
@@ -754,9 +816,14 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
     if (nh == 0) return 0;
     int windowed = (int64_t)nh * (int64_t)L > FULL_SWAP_PAIRS;
     double span = 0.0;
-    if (windowed) {
+    if (!windowed) {
+        for (Py_ssize_t t = 0; t < nt; t++) rank_samples(s, targets[t], light + s->begin[t]);
+    } else {
+        /* Each target's samples by (cost, index). */
         for (Py_ssize_t t = 0; t < nt; t++) {
-            sort_samples(s, light + s->begin[t], s->size[t], s->ic, cost_up);
+            const vec_t *view = rank_by_cost(s, targets[t]);
+            if (view == NULL) return -1;
+            if (view->n) memcpy(light + s->begin[t], view->v, sizeof(int64_t) * (size_t)view->n);
         }
         double cl_max = s->cost[light[0]], ch_max = s->cost[kept[0]];
         for (Py_ssize_t k = 1; k < L; k++) cl_max = dmax(cl_max, s->cost[light[k]]);
@@ -770,8 +837,8 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
     }
     /* Per-partner terms once per call (the numpy search computes them as whole arrays too):
        cost, tokens, the room its bin keeps for a swapped-in sample, and its rank's margin. */
-    double *cl = s->cp;
-    int64_t *tl = s->ia, *room_y = s->ib, *tgt = s->ic;
+    double *cl = s->cp, *lld = s->lld;
+    int64_t *tl = s->ia, *room_y = s->ib;
     for (Py_ssize_t t = 0; t < nt; t++) {
         for (Py_ssize_t k = s->begin[t]; k < s->begin[t] + s->size[t]; k++) {
             int64_t j = light[k];
@@ -779,10 +846,9 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
             cl[k] = s->cost[j];
             tl[k] = s->tok[j];
             room_y[k] = s->bin_cnt[yl] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[yl] + tl[k];
-            tgt[k] = t;
+            lld[k] = s->load[targets[t]];
         }
     }
-    Py_ssize_t width = windowed ? nt * 2 * SWAP_NEIGHBOURS : L;
     double best_score = INFINITY;
     int64_t bi = -1, bj = -1;
     for (Py_ssize_t h = 0; h < nh; h++) {
@@ -791,76 +857,68 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
         int64_t th = s->tok[i];
         int64_t xh = s->bin_of[i];
         int64_t room_x = s->bin_cnt[xh] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[xh] + th;
-        if (windowed) {
-            for (Py_ssize_t t = 0; t < nt; t++) {
-                double half_gap = 0.5 * (top - s->load[targets[t]]);
-                double q = (double)t * span + dmax(ch - half_gap, 0.0);
-                /* searchsorted(key, q, side="left"): keys of earlier targets are below
-                   t * span <= q and keys of later ones above (t + 1) * span > q (span is
-                   over twice any cost), so the answer lies in t's own segment or just
-                   past it, and searching there finds the same index. */
-                Py_ssize_t lo = s->begin[t], hi = s->begin[t] + s->size[t];
-                while (lo < hi) {
-                    Py_ssize_t mid = lo + (hi - lo) / 2;
-                    if (s->key[mid] < q) lo = mid + 1;
-                    else hi = mid;
-                }
-                s->pos[t] = lo;
-            }
+        /* One candidate pair (i, light[k]): the numpy search's row-major argmin keeps the
+           first strictly lowest score. */
+#define SWAP_CANDIDATE(k)                                                                      \
+    do {                                                                                       \
+        double lload = lld[k];                                                                 \
+        double delta = ch - cl[k];                                                             \
+        if (!(delta > tol && delta < (top - lload) - tol)) break;                              \
+        if (!(tl[k] <= room_x && th <= room_y[k])) break;                                      \
+        if (s->nbud) {                                                                         \
+            /* x keeps (sums - i) + j unless i is alone there; y (sums - j) + i likewise. */   \
+            Py_ssize_t K = s->nbud;                                                            \
+            int64_t j = light[k], yl = s->bin_of[j];                                           \
+            const double *bi_row = s->bud + i * K, *bj_row = s->bud + j * K;                   \
+            if (s->bin_cnt[xh] != 1 && !budgets_hold(s, s->bin_bud + xh * K, bi_row, bj_row))  \
+                break;                                                                         \
+            if (s->bin_cnt[yl] != 1 && !budgets_hold(s, s->bin_bud + yl * K, bj_row, bi_row))  \
+                break;                                                                         \
+        }                                                                                      \
+        double score = dmax(top - delta, lload + delta);                                       \
+        if (bi < 0 || score < best_score) {                                                    \
+            best_score = score;                                                                \
+            bi = i;                                                                            \
+            bj = light[k];                                                                     \
+        }                                                                                      \
+    } while (0)
+        if (!windowed) {
+            for (Py_ssize_t k = 0; k < L; k++) SWAP_CANDIDATE(k);
+            continue;
         }
-        Py_ssize_t previous = -1;
-        for (Py_ssize_t col = 0; col < width; col++) {
-            Py_ssize_t k = col;
-            if (windowed) {
-                Py_ssize_t t = col / (2 * SWAP_NEIGHBOURS);
-                k = s->pos[t] + col % (2 * SWAP_NEIGHBOURS) - SWAP_NEIGHBOURS;
-                if (k < s->begin[t]) k = s->begin[t];
-                if (k > s->begin[t] + s->size[t] - 1) k = s->begin[t] + s->size[t] - 1;
-                /* Only a target without samples gets here: numpy's index -1 is the last. */
-                if (k < 0) k = L - 1;
-                /* A window clipped at its rank's edge repeats a partner: same score, and
-                   only the first occurrence can be the argmin. */
-                if (k == previous) continue;
-                previous = k;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            double half_gap = 0.5 * (top - s->load[targets[t]]);
+            double q = (double)t * span + dmax(ch - half_gap, 0.0);
+            /* searchsorted(key, q, side="left"): keys of earlier targets are below
+               t * span <= q and keys of later ones above (t + 1) * span > q (span is over
+               twice any cost), so the answer lies in t's own segment or just past it, and
+               searching there finds the same index. */
+            Py_ssize_t first = s->begin[t], last = s->begin[t] + s->size[t] - 1;
+            Py_ssize_t lo = first, hi = last + 1;
+            while (lo < hi) {
+                Py_ssize_t mid = lo + (hi - lo) / 2;
+                if (s->key[mid] < q) lo = mid + 1;
+                else hi = mid;
             }
-            double lload = s->load[targets[tgt[k]]];
-            double delta = ch - cl[k];
-            if (!(delta > tol && delta < (top - lload) - tol)) continue;
-            if (!(tl[k] <= room_x && th <= room_y[k])) continue;
-            if (s->nbud) {
-                /* x keeps (sums - i) + j unless i is alone there; y (sums - j) + i likewise. */
-                Py_ssize_t K = s->nbud;
-                int64_t j = light[k], yl = s->bin_of[j];
-                const double *bi_row = s->bud + i * K, *bj_row = s->bud + j * K;
-                if (s->bin_cnt[xh] != 1 && !budgets_hold(s, s->bin_bud + xh * K, bi_row, bj_row))
-                    continue;
-                if (s->bin_cnt[yl] != 1 && !budgets_hold(s, s->bin_bud + yl * K, bj_row, bi_row))
-                    continue;
-            }
-            double score = dmax(top - delta, lload + delta);
-            if (bi < 0 || score < best_score) {
-                best_score = score;
-                bi = i;
-                bj = light[k];
-            }
+            /* The window pos - SWAP_NEIGHBOURS .. pos + SWAP_NEIGHBOURS - 1, each end
+               clipped to t's segment: a clipped window repeats an edge partner, whose
+               repeats score the same and cannot be the first argmin, so each partner of the
+               clipped range is tried once, in order. A target holds samples (bins are never
+               empty), so the segment is not empty. */
+            Py_ssize_t from = lo - SWAP_NEIGHBOURS, to = lo + SWAP_NEIGHBOURS - 1;
+            if (from < first) from = first;
+            if (from > last) from = last;
+            if (to > last) to = last;
+            if (to < first) to = first;
+            for (Py_ssize_t k = from; k <= to; k++) SWAP_CANDIDATE(k);
         }
+#undef SWAP_CANDIDATE
     }
     if (bi < 0) return 0;
     best->kind = SWAP;
     best->a = bi;
     best->b = bj;
     return 1;
-}
-
-/* First index of tp[0..len) with tp[idx] >= v (right=0) or > v (right=1). */
-static inline Py_ssize_t search_sorted(const int64_t *tp, Py_ssize_t len, int64_t v, int right) {
-    Py_ssize_t lo = 0, hi = len;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (right ? tp[mid] <= v : tp[mid] < v) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
 }
 
 /* Budgets of exchanging sample i (bin x) for the sorted partners [start, end) of bin y:
@@ -885,30 +943,57 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
     double top = s->load[a];
     int64_t *heavy = s->kept;
     Py_ssize_t nh = nh_all;
-    memcpy(heavy, heavy_all, sizeof(int64_t) * (size_t)nh_all);
     if (nh > EXCHANGE_CANDIDATES) {
-        sort_samples(s, heavy, nh, s->ic, cost_down);
+        /* The first EXCHANGE_CANDIDATES by (-cost, index), in that order: what a full sort
+           would put first, by insertion into a short list. */
+        Py_ssize_t held = 0;
+        for (Py_ssize_t h = 0; h < nh_all; h++) {
+            int64_t i = heavy_all[h];
+            if (held == EXCHANGE_CANDIDATES && !cost_down(s, i, heavy[held - 1])) continue;
+            Py_ssize_t k = held < EXCHANGE_CANDIDATES ? held++ : held - 1;
+            while (k > 0 && cost_down(s, i, heavy[k - 1])) {
+                heavy[k] = heavy[k - 1];
+                k--;
+            }
+            heavy[k] = i;
+        }
         nh = EXCHANGE_CANDIDATES;
+    } else {
+        memcpy(heavy, heavy_all, sizeof(int64_t) * (size_t)nh_all);
+    }
+    /* The partners by (bin, tokens, index): the target ranks in ascending order (their bins
+       are contiguous), each bin's cached view by (tokens, index). */
+    int64_t *ranks_up = s->pos;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        Py_ssize_t k = t;
+        while (k > 0 && ranks_up[k - 1] > targets[t]) {
+            ranks_up[k] = ranks_up[k - 1];
+            k--;
+        }
+        ranks_up[k] = targets[t];
     }
     int64_t *light = s->xlight;
     Py_ssize_t m = 0;
     for (Py_ssize_t t = 0; t < nt; t++) {
         for (Py_ssize_t p = 0; p < per; p++) {
-            int64_t y = targets[t] * per + p;
+            int64_t y = ranks_up[t] * per + p;
             if (s->bin_cnt[y] < 2) continue;
-            memcpy(light + m, s->members[y].v, sizeof(int64_t) * (size_t)s->members[y].n);
-            m += s->members[y].n;
+            const vec_t *view = bin_by_tokens(s, y);
+            if (view == NULL) return -1;
+            memcpy(light + m, view->v, sizeof(int64_t) * (size_t)view->n);
+            m += view->n;
         }
     }
     if (m == 0) return 0;
-    sort_samples(s, light, m, s->ic, bin_tokens_up);
     int64_t *tp = s->tp, *stop = s->ia;
     double *cp = s->cp;
     tp[0] = 0;
     cp[0] = 0.0;
+    int nonneg = 1;
     for (Py_ssize_t k = 0; k < m; k++) {
         tp[k + 1] = tp[k] + s->tok[light[k]];
         cp[k + 1] = cp[k] + s->cost[light[k]];
+        nonneg &= s->cost[light[k]] >= 0.0;
     }
     Py_ssize_t K = s->nbud;
     double *run = s->run;
@@ -943,21 +1028,34 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
             int64_t xh = s->bin_of[i];
             double ch = s->cost[i];
             int64_t hi = s->bin_cnt[xh] == 1 ? s->seq_len : s->seq_len - s->bin_tok[xh] + th;
+            /* With costs >= 0 a run costs >= 0 (cp never decreases), so exchanging i scores
+               at least top - ch: once that cannot beat the pass's best, skip i. */
+            if (nonneg && prow >= 0 && top - ch >= pass_score) continue;
+            /* Both searches start above k (the bound is > tp[k]) and only ends up to stop[k]
+               can qualify, so searching tp[k + 1 .. stop[k]] gives the same verdict as
+               numpy's search over all of tp. Within a bin the bound only grows with k (tp
+               does, and the bin's room and hi are fixed), so the answer does too: one
+               pointer walks each bin once per candidate (what searchsorted would return
+               for every start, in linear rather than n log n steps). */
+            Py_ssize_t e = 0;
             for (Py_ssize_t k = 0; k < m; k++) {
                 if (stop[k] < k + 2) continue; /* a run needs two samples of k's bin */
                 int64_t lo = th - room[k];
                 int64_t base = tp[k];
                 int64_t end;
-                /* Both searches start above k (the bound is > tp[k]) and only ends up to
-                   stop[k] can qualify, so searching tp[k + 1 .. stop[k]] gives the same
-                   verdict as numpy's search over all of tp, at a fraction of the steps. */
-                const int64_t *window = tp + k + 1;
-                Py_ssize_t span_len = stop[k] - k;
+                Py_ssize_t last = stop[k];
+                if (e < k + 1) e = k + 1;
                 if (pass == 0) {
-                    end = k + 1 + search_sorted(window, span_len, base + (lo > 1 ? lo : 1), 0);
+                    /* searchsorted left: the first end in (k, last] with tp[end] >= bound */
+                    int64_t bound = base + (lo > 1 ? lo : 1);
+                    while (e <= last && tp[e] < bound) e++;
+                    end = e;
                 } else {
-                    end = k + search_sorted(window, span_len, base + hi, 1);
-                    if (end > stop[k]) end = stop[k];
+                    /* searchsorted right, less one: the last end in (k, last] with
+                       tp[end] <= bound, else k */
+                    int64_t bound = base + hi;
+                    while (e <= last && tp[e] <= bound) e++;
+                    end = e - 1;
                 }
                 if (end > m) end = m;
                 int64_t run_tok = tp[end] - base;
@@ -1028,6 +1126,8 @@ static int64_t apply_change(search_t *s, const change_t *c) {
     case BIN_SWAP: {
         x = c->a;
         y = c->b;
+        mark_stale(s, x);
+        mark_stale(s, y);
         vec_t held = s->members[x];
         s->members[x] = s->members[y];
         s->members[y] = held;
@@ -1080,12 +1180,12 @@ static int64_t improve(search_t *s, int64_t a) {
     Py_ssize_t nh = rank_samples(s, a, s->heavy);
     Py_ssize_t near = size < NEAR_TARGETS ? size : NEAR_TARGETS;
     change_t change;
-    if (cheap(s, a, s->heavy, nh, order, near, tol, 0, &change) ||
-        swap_family(s, a, s->heavy, nh, order, near, tol, &change) ||
-        exchange_family(s, a, s->heavy, nh, order, near, tol, &change) ||
-        cheap(s, a, s->heavy, nh, order, near, tol, 1, &change)) {
-        return apply_change(s, &change);
-    }
+    int found = cheap(s, a, s->heavy, nh, order, near, tol, 0, &change);
+    if (!found) found = swap_family(s, a, s->heavy, nh, order, near, tol, &change);
+    if (!found) found = exchange_family(s, a, s->heavy, nh, order, near, tol, &change);
+    if (!found) found = cheap(s, a, s->heavy, nh, order, near, tol, 1, &change);
+    if (found < 0) return -2;
+    if (found) return apply_change(s, &change);
     if (size > NEAR_TARGETS &&
         cheap(s, a, s->heavy, nh, order + NEAR_TARGETS, size - NEAR_TARGETS, tol, 1, &change)) {
         return apply_change(s, &change);
@@ -1140,15 +1240,23 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
         check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
         goto done;
     }
-    size_t words = (size_t)(8 * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
+    size_t words = (size_t)(9 * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
     block = calloc(words, sizeof(int64_t));
     s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
     s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
     s.run = nbud ? (double *)calloc((size_t)((n + 1) * nbud), sizeof(double)) : NULL;
-    if (block == NULL || s.members == NULL || s.stuck == NULL || (nbud && s.run == NULL)) {
+    s.rank_sorted = (vec_t *)calloc((size_t)ranks, sizeof(vec_t));
+    s.bin_sorted = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
+    s.rank_stale = (unsigned char *)malloc((size_t)ranks);
+    s.bin_stale = (unsigned char *)malloc((size_t)nb);
+    if (block == NULL || s.members == NULL || s.stuck == NULL || (nbud && s.run == NULL) ||
+        s.rank_sorted == NULL || s.bin_sorted == NULL || s.rank_stale == NULL ||
+        s.bin_stale == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    memset(s.rank_stale, 1, (size_t)ranks);
+    memset(s.bin_stale, 1, (size_t)nb);
     int64_t *w = (int64_t *)block;
     s.heavy = w; w += n;
     s.light = w; w += n;
@@ -1158,6 +1266,7 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     s.ib = w; w += n;
     s.ic = w; w += n;
     s.key = (double *)w; w += n;
+    s.lld = (double *)w; w += n;
     s.tp = w; w += n + 1;
     s.cp = (double *)w; w += n + 1;
     s.rooms = w; w += ranks * per;
@@ -1264,7 +1373,17 @@ done:
     if (s.members != NULL) {
         for (Py_ssize_t b = 0; b < nb; b++) free(s.members[b].v);
     }
+    if (s.bin_sorted != NULL) {
+        for (Py_ssize_t b = 0; b < nb; b++) free(s.bin_sorted[b].v);
+    }
+    if (s.rank_sorted != NULL) {
+        for (Py_ssize_t r = 0; r < ranks; r++) free(s.rank_sorted[r].v);
+    }
     free(s.members);
+    free(s.bin_sorted);
+    free(s.rank_sorted);
+    free(s.rank_stale);
+    free(s.bin_stale);
     free(s.stuck);
     free(s.run);
     free(block);
