@@ -424,10 +424,12 @@ typedef struct {
     Py_ssize_t nbud;
     const double *bud, *limits;
     double *bin_bud, *run;
-    /* Sorted views kept between attempts (an attempt changes two ranks; re-sorting every
-       partner's samples each time was most of a small step's search): each rank's samples
-       by (cost, index), each bin's by (tokens, index); a flag marks one stale when a sample
-       enters or leaves. Both orders are total, so a cached view equals a fresh sort. */
+    /* Sorted views kept between attempts (re-sorting every partner's samples each time
+       was most of a small step's search): each rank's samples by (cost, index), each bin's
+       by (tokens, index). A moving sample is taken out of and put into the views it
+       concerns; a view is stale (sorted afresh when next used) until first used, after a
+       whole-bin swap, or when it could not grow. Both orders are total, so a view always
+       equals a fresh sort of its samples. */
     vec_t *rank_sorted, *bin_sorted;
     unsigned char *rank_stale, *bin_stale;
 } search_t;
@@ -533,11 +535,61 @@ static inline void mark_stale(search_t *s, int64_t b) {
     s->rank_stale[b / s->per] = 1;
 }
 
+/* (cost, index) ascending: _sorted_samples, and the order of the rank views. */
+static int cost_up(const search_t *s, int64_t i, int64_t j) {
+    double ci = s->cost[i], cj = s->cost[j];
+    return ci < cj || (ci == cj && i < j);
+}
+
+/* (tokens, index) ascending: the order of the bin views. */
+static int tokens_up(const search_t *s, int64_t i, int64_t j) {
+    int64_t ti = s->tok[i], tj = s->tok[j];
+    return ti < tj || (ti == tj && i < j);
+}
+
+typedef int (*before_t)(const search_t *, int64_t, int64_t);
+
+/* The first entry of a view (ordered by `before`, a strict total order) not before i. */
+static Py_ssize_t view_position(const search_t *s, const vec_t *view, int64_t i,
+                                before_t before) {
+    Py_ssize_t lo = 0, hi = view->n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (before(s, view->v[mid], i)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* A sample leaves (gone = 1) or joins a fresh view, which stays sorted: O(size) instead of a
+   re-sort. A view that cannot grow is marked stale (re-sorted, or failing, when next used). */
+static void view_update(search_t *s, vec_t *view, unsigned char *stale, int64_t i, int gone,
+                        before_t before) {
+    if (*stale) return;
+    Py_ssize_t k = view_position(s, view, i, before);
+    if (gone) {
+        memmove(view->v + k, view->v + k + 1, sizeof(int64_t) * (size_t)(view->n - k - 1));
+        view->n--;
+        return;
+    }
+    if (vec_push(view, i) < 0) {
+        *stale = 1;
+        return;
+    }
+    memmove(view->v + k + 1, view->v + k, sizeof(int64_t) * (size_t)(view->n - 1 - k));
+    view->v[k] = i;
+}
+
 static int relocate(search_t *s, int64_t i, int64_t src, int64_t dst) {
     /* Room first: a failed allocation must leave the sample where bin_of says it is. */
     if (vec_push(&s->members[dst], i) < 0) return -1;
-    mark_stale(s, src);
-    mark_stale(s, dst);
+    view_update(s, &s->bin_sorted[src], &s->bin_stale[src], i, 1, tokens_up);
+    view_update(s, &s->bin_sorted[dst], &s->bin_stale[dst], i, 0, tokens_up);
+    int64_t rs = src / s->per, rd = dst / s->per;
+    if (rs != rd) {
+        view_update(s, &s->rank_sorted[rs], &s->rank_stale[rs], i, 1, cost_up);
+        view_update(s, &s->rank_sorted[rd], &s->rank_stale[rd], i, 0, cost_up);
+    }
     s->members[dst].n--;
     vec_remove(&s->members[src], i);
     s->members[dst].v[s->members[dst].n++] = i;
@@ -703,8 +755,6 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
     return best->kind != NONE;
 }
 
-typedef int (*before_t)(const search_t *, int64_t, int64_t);
-
 /* Sort sample indices by `before` (a strict total order), bottom-up merge sort via `tmp`. */
 static void sort_samples(const search_t *s, int64_t *a, Py_ssize_t n, int64_t *tmp,
                          before_t before) {
@@ -725,23 +775,10 @@ static void sort_samples(const search_t *s, int64_t *a, Py_ssize_t n, int64_t *t
     if (src != a) memcpy(a, src, sizeof(int64_t) * (size_t)n);
 }
 
-/* (cost, index) ascending: _sorted_samples. */
-static int cost_up(const search_t *s, int64_t i, int64_t j) {
-    double ci = s->cost[i], cj = s->cost[j];
-    return ci < cj || (ci == cj && i < j);
-}
-
 /* (-cost, index) ascending: the exchange's heavy candidates. */
 static int cost_down(const search_t *s, int64_t i, int64_t j) {
     double ci = s->cost[i], cj = s->cost[j];
     return ci > cj || (ci == cj && i < j);
-}
-
-/* (bin, tokens, index) ascending: the exchange's partner samples. */
-static int bin_tokens_up(const search_t *s, int64_t i, int64_t j) {
-    if (s->bin_of[i] != s->bin_of[j]) return s->bin_of[i] < s->bin_of[j];
-    if (s->tok[i] != s->tok[j]) return s->tok[i] < s->tok[j];
-    return i < j;
 }
 
 /* Room for exactly n entries in vec (its contents undefined); -1 when out of memory. */
@@ -783,7 +820,7 @@ static const vec_t *bin_by_tokens(search_t *s, int64_t b) {
         const vec_t *members = &s->members[b];
         if (vec_resize(view, members->n) < 0) return NULL;
         if (members->n) memcpy(view->v, members->v, sizeof(int64_t) * (size_t)members->n);
-        sort_samples(s, view->v, view->n, s->ic, bin_tokens_up);
+        sort_samples(s, view->v, view->n, s->ic, tokens_up);
         s->bin_stale[b] = 0;
     }
     return view;
