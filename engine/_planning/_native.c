@@ -415,6 +415,9 @@ typedef struct {
     double *bin_cost, *load;
     /* scratch: n entries each */
     int64_t *heavy, *light, *kept, *xlight, *ia, *ib, *ic, *tp;
+    /* the swap's window positions (NEAR_TARGETS per sample), and each kept sample's row
+       (-1 between calls) */
+    int64_t *at, *slot;
     double *key, *cp, *lld;
     /* scratch: one entry per rank (rooms: ranks * per) */
     int64_t *rooms, *first, *second, *best_k, *begin, *size, *pos, *order;
@@ -886,6 +889,31 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
             lld[k] = s->load[targets[t]];
         }
     }
+    /* Windowed: where each candidate's window starts in each target, i.e. numpy's
+       searchsorted(key, q, side="left") with q = t * span + max(ch - half_gap, 0) (keys of
+       earlier targets are below t * span <= q and keys of later ones above (t + 1) * span > q,
+       span being over twice any cost, so the answer lies in t's own segment or just past
+       it). q grows with ch, so walking the rank's samples by cost moves one pointer forward
+       through each target's keys: O(samples) per target instead of a search per pair.
+       swap_family is only called with nt <= NEAR_TARGETS targets (at holds that many). */
+    int64_t *at = s->at;
+    if (windowed) {
+        const vec_t *mine = rank_by_cost(s, a);
+        if (mine == NULL) return -1;
+        for (Py_ssize_t h = 0; h < nh; h++) s->slot[kept[h]] = h;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            double half_gap = 0.5 * (top - s->load[targets[t]]);
+            Py_ssize_t ptr = s->begin[t], end = s->begin[t] + s->size[t];
+            for (Py_ssize_t v = 0; v < mine->n; v++) {
+                int64_t i = mine->v[v], h = s->slot[i];
+                if (h < 0) continue;
+                double q = (double)t * span + dmax(s->cost[i] - half_gap, 0.0);
+                while (ptr < end && s->key[ptr] < q) ptr++;
+                at[h * nt + t] = ptr;
+            }
+        }
+        for (Py_ssize_t h = 0; h < nh; h++) s->slot[kept[h]] = -1;
+    }
     double best_score = INFINITY;
     int64_t bi = -1, bj = -1;
     for (Py_ssize_t h = 0; h < nh; h++) {
@@ -924,19 +952,8 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
             continue;
         }
         for (Py_ssize_t t = 0; t < nt; t++) {
-            double half_gap = 0.5 * (top - s->load[targets[t]]);
-            double q = (double)t * span + dmax(ch - half_gap, 0.0);
-            /* searchsorted(key, q, side="left"): keys of earlier targets are below
-               t * span <= q and keys of later ones above (t + 1) * span > q (span is over
-               twice any cost), so the answer lies in t's own segment or just past it, and
-               searching there finds the same index. */
             Py_ssize_t first = s->begin[t], last = s->begin[t] + s->size[t] - 1;
-            Py_ssize_t lo = first, hi = last + 1;
-            while (lo < hi) {
-                Py_ssize_t mid = lo + (hi - lo) / 2;
-                if (s->key[mid] < q) lo = mid + 1;
-                else hi = mid;
-            }
+            Py_ssize_t lo = at[h * nt + t];
             /* The window pos - SWAP_NEIGHBOURS .. pos + SWAP_NEIGHBOURS - 1, each end
                clipped to t's segment: a clipped window repeats an edge partner, whose
                repeats score the same and cannot be the first argmin, so each partner of the
@@ -1277,7 +1294,7 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
         check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
         goto done;
     }
-    size_t words = (size_t)(9 * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
+    size_t words = (size_t)((10 + NEAR_TARGETS) * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
     block = calloc(words, sizeof(int64_t));
     s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
     s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
@@ -1304,6 +1321,9 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     s.ic = w; w += n;
     s.key = (double *)w; w += n;
     s.lld = (double *)w; w += n;
+    s.at = w; w += NEAR_TARGETS * n;
+    s.slot = w; w += n;
+    for (Py_ssize_t i = 0; i < n; i++) s.slot[i] = -1;
     s.tp = w; w += n + 1;
     s.cp = (double *)w; w += n + 1;
     s.rooms = w; w += ranks * per;
