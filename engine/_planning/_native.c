@@ -703,10 +703,23 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
     if (nm > 0) {
         Py_ssize_t br = -1;
         int64_t by = -1;
+        /* Per target, its margin and its widest room: a sample that exceeds either fits none
+           of its bins, so those are skipped whole (the same candidates pass as one by one). */
+        double *margin = s->key;
+        int64_t *widest = s->tp;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            margin[t] = (top - s->load[targets[t]]) - tol;
+            widest[t] = INT64_MIN;
+            for (Py_ssize_t p = 0; p < per; p++) {
+                int64_t room = s->seq_len - s->bin_tok[targets[t] * per + p];
+                if (room > widest[t]) widest[t] = room;
+            }
+        }
         for (Py_ssize_t h = 0; h < nm; h++) {
             double ch = s->cost[hi[h]];
             int64_t th = s->tok[hi[h]];
             for (Py_ssize_t t = 0; t < nt; t++) {
+                if (!(ch < margin[t]) || th > widest[t]) continue;
                 double yload = s->load[targets[t]];
                 for (Py_ssize_t p = 0; p < per; p++) {
                     int64_t y = targets[t] * per + p;
