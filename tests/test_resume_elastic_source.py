@@ -108,8 +108,8 @@ def test_a_step_before_the_restored_position_is_refused() -> None:
 def test_a_state_saved_inside_a_balance_window_restores_only_onto_the_same_ranks() -> None:
     from evenflow.engine._pipeline.resume import loader_state, read_state
 
-    def saved(step: int) -> dict[str, object]:
-        _, source_state = _run(4, epoch=0, stop=step)
+    def saved(step: int, read_from: int) -> dict[str, object]:
+        _, source_state = _run(4, epoch=0, stop=read_from)
         return loader_state(
             epoch=0,
             step=step,
@@ -119,11 +119,12 @@ def test_a_state_saved_inside_a_balance_window_restores_only_onto_the_same_ranks
             process_rank=0,
             group_rank=0,
             group=[0, 1, 2, 3],
+            read_from=read_from,
         )
 
-    def restore(step: int, num_ranks: int) -> object:
+    def restore(step: int, num_ranks: int, read_from: int | None = None) -> object:
         return read_state(
-            saved(step),
+            saved(step, step - step % 4 if read_from is None else read_from),
             identity={"config": {}},
             source=_source(0, num_ranks),
             process_rank=0,
@@ -137,3 +138,6 @@ def test_a_state_saved_inside_a_balance_window_restores_only_onto_the_same_ranks
         restore(5, 2)
     assert restore(5, 4).step == 5  # the same ranks finish the window
     assert restore(4, 2).step == 4  # a window boundary: any number of ranks
+    assert restore(5, 2, read_from=5).step == 5  # a window the pass closed early: too
+    with pytest.raises(ResumeError, match=r"allows steps 2 to 5; .* another balance_window"):
+        restore(5, 4, read_from=1)  # not a step of the window that holds step 5

@@ -6,6 +6,7 @@ window in fresh Gloo processes."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from testkit.loaders import IdSource, id_pack, make_loaders, run_in_threads
 from testkit.windows import (
     STEPS,
     StatefulWindowSource,
+    WindowSource,
     ids_pack,
     record_rank,
     resume_rank,
@@ -302,6 +304,45 @@ def test_resume_at_every_position_of_a_window_is_bitwise_in_fresh_processes() ->
             want = recorded[rank][kind]["batches"]
             for cut, tail in enumerate(tails[rank][kind], start=1):
                 assert tail == want[cut:], (kind, rank, cut)
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("rotating")
+@pytest.mark.parametrize("stateful", [True, False])
+async def test_a_run_extended_past_a_window_it_ended_early_delivers_every_sample_once(
+    stateful: bool,
+) -> None:
+    """``max_steps=4`` ends the window of steps 3..5 after step 3. A state saved there closes
+    that window, so a run extended to the source's end plans steps 4.. on their own: planning
+    step 3 again with step 4 (whose samples the rotating planner swaps) would deliver step 3's
+    samples twice and step 4's never."""
+    source = StatefulWindowSource if stateful else WindowSource
+
+    def loaders(**cfg: Any) -> list[BalancedLoader]:
+        sources = [source(r) for r in range(2)]
+        return make_loaders(2, sources, pack_fn=ids_pack, balance_window=WINDOW, **cfg)
+
+    async def resumed(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        restored = loaders()
+        for loader, state in zip(restored, states, strict=True):
+            loader.load_state_dict(state)
+        return await _run(restored)
+
+    short = await _run(loaders(max_steps=4))
+    longer = await resumed([r["states"][-1] for r in short])
+    assert [len(r["batches"]) for r in longer] == [STEPS - 4] * 2
+    delivered = collections.Counter(
+        tuple(sample)
+        for run in (*short, *longer)
+        for batch in run["batches"]
+        for b in batch
+        for sample in b
+    )
+    assert set(delivered) == _read(2, STEPS) and max(delivered.values()) == 1
+    # The extended run's first window is steps 4..5 (it starts where the closed one ended): a
+    # state saved inside it restores bitwise.
+    again = await resumed([r["states"][0] for r in longer])
+    assert [r["batches"] for r in again] == [r["batches"][1:] for r in longer]
 
 
 # -- memory bound -------------------------------------------------------------------------------

@@ -161,7 +161,10 @@ class BalancedLoader(LoaderFacade):
         self._pass_balance = BalanceTally()  # the steps of the current pass only
         self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
+        # The source's state at the first step a restore would read again (the step's own
+        # window start), and right after the last delivered step (for a closed window).
         self._source_state: Any = None
+        self._source_after: Any = None
         self._restored: Restore | None = None
         self._pass_samples = 0  # samples / tokens this rank trained on in the current pass
         self._pass_tokens = 0
@@ -338,7 +341,7 @@ class BalancedLoader(LoaderFacade):
         self._pass_finished = False
         self._first_step = self._read_from = 0
         self._delivered = 0
-        self._source_state = None
+        self._source_state = self._source_after = None
         self._last_host_batch = None
         self._last_stats = None
         self._last_loss_tokens = None
@@ -359,17 +362,32 @@ class BalancedLoader(LoaderFacade):
         entry, keyed by its process rank. With a balance window the source state is the one
         at the first step of the window that holds the next step: a restored loader reads the
         window again from there, plans it identically and skips the steps already delivered.
+        A window the pass ended early (at ``max_steps`` or the source's end) is closed once
+        delivered: the state is then the one after its last step.
         """
         transport = self._transport
+        step = self._delivered
+        read_from = max(window_first(step, self._config.balance_window), self._read_from)
+        source_state = self._source_state
+        limit = self._config.max_steps
+        if (
+            read_from < step
+            and step > self._first_step  # a step of this pass was delivered
+            and (self._pass_finished or (limit is not None and step >= limit))
+        ):
+            # The last window ended early and every step of it was delivered: a longer run
+            # (or other ranks) continues after it, never plans its steps with later ones.
+            read_from, source_state = step, self._source_after
         return loader_state(
             epoch=self._epoch,
-            step=self._delivered,
+            step=step,
             identity=self.identity(for_resume=True),
             source=self._source,
-            source_state=self._source_state,
+            source_state=source_state,
             process_rank=_process_rank(transport),
             group_rank=transport.rank,
             group=list(transport.global_ranks),
+            read_from=read_from,
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -400,8 +418,9 @@ class BalancedLoader(LoaderFacade):
             set_epoch(self._epoch)
         self._restored = restore
         self._first_step = self._delivered = restore.step
-        self._read_from = window_first(restore.step, self._config.balance_window)
+        self._read_from = restore.read_from
         self._source_state = restore.source
+        self._source_after = restore.source if restore.read_from == restore.step else None
 
     # -- internals ---------------------------------------------------------------------------
 
@@ -533,6 +552,7 @@ class BalancedLoader(LoaderFacade):
         batch = self._stager.deliver(state.staged)
         self._delivered = state.step + 1
         self._source_state = state.resume_source
+        self._source_after = state.source_state
         self._last_stats = state.stats
         world = state.loss_world if self._world_transport is not None else state.loss_group
         self._last_loss_tokens = step_loss_tokens(

@@ -7,11 +7,15 @@ prefetched (speculative) steps never leak into a checkpoint.
 
 **Balance windows.** With ``balance_window = W > 1`` a sample may train in another step of its
 window than the one that read it, so the source state saved at step ``step`` is the one at
-:func:`window_first` (``step - step % W``, the first step of the window that holds the next
-step), not after the last delivered step. A restore reads the window again from there, plans it
-again (identically: a plan is a pure function of the gathered steps) and skips the steps before
-``step``. ``W`` is part of the configuration's identity, so the window start needs no field of
-its own; a global position saved inside a window restores only onto as many ranks.
+``read_from``: :func:`window_first` (``step - step % W``, the first step of the window that holds
+the next step) while that window is open, not after the last delivered step. A restore reads
+the window again from there, plans it again (identically: a plan is a pure function of the
+gathered steps) and skips the steps before ``step``. A window the pass ended early (at
+``max_steps``, or at the source's end) is closed once its steps are delivered: then
+``read_from`` is ``step`` itself, so a run extended to a larger ``max_steps`` does not plan the
+closed window's delivered steps again with later ones (which would deliver some samples twice
+and others never), and the state restores onto any number of ranks. A global position saved
+inside an open window (``read_from < step``) restores only onto as many ranks.
 
 **Layout.** Every rank of a data-parallel world saves a dict of the same shape, made so that
 ``torch.distributed.checkpoint`` (which writes a key saved by several ranks only once, from
@@ -63,17 +67,19 @@ __all__ = [
 
 #: What ``BalancedLoader.state_dict()`` writes, and all that :func:`read_state` accepts.
 STATE_FORMAT = "evenflow.loader"
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 _SHARED = ("format", "version", "epoch", "step", "identity", "digest")
 
 
 @dataclass(frozen=True)
 class Restore:
-    """What a loader restores: its epoch and step, and its source's state (or None)."""
+    """What a loader restores: its epoch and step, the step its source state belongs to (the
+    first one it reads again), and that state (or None)."""
 
     epoch: int
     step: int
+    read_from: int
     source: Any
 
 
@@ -87,9 +93,12 @@ def loader_state(
     process_rank: int | None,
     group_rank: int,
     group: list[int],
+    read_from: int | None = None,
 ) -> dict[str, Any]:
     """The state of one rank. ``process_rank`` None: a rank without a source (a
-    model-parallel follower), which writes only the shared fields."""
+    model-parallel follower), which writes only the shared fields. ``read_from``: the step
+    ``source_state`` belongs to (``step`` when None; earlier inside an open balance window)."""
+    read_from = step if read_from is None else read_from
     text = _identity_text(identity)
     state: dict[str, Any] = {
         "format": STATE_FORMAT,
@@ -108,6 +117,7 @@ def loader_state(
             {
                 "epoch": epoch,
                 "step": step,
+                "read_from": read_from,
                 "num_ranks": getattr(source, "num_ranks", None),
                 "state": source_state,
             }
@@ -118,6 +128,7 @@ def loader_state(
         "group": list(group),
         "epoch": epoch,
         "step": step,
+        "read_from": read_from,
         "source": None if source_state is None else _encode(source_state),
         "stateful": callable(getattr(source, "state_dict", None)),
     }
@@ -154,7 +165,7 @@ def read_state(
             "LoaderConfig.max_steps to at least the saved step."
         )
     if process_rank is None:
-        return Restore(epoch, step, None)
+        return Restore(epoch, step, step, None)
     ranks = state.get("ranks")
     if has_global_position(source):
         if "position" not in state:
@@ -176,18 +187,19 @@ def read_state(
                 "ranks once) kept parts of different ranks' states. Save every rank at the "
                 "same step."
             )
+        read_from = _read_from(position, step, window)
         saved_ranks = position.get("num_ranks")
         ranks = getattr(source, "num_ranks", None)
-        if saved_ranks != ranks and step % window:
+        if saved_ranks != ranks and read_from != step:
             raise ResumeError(
                 f"The state was saved at step {step}, inside a balance window of {window} "
-                f"steps (it began at step {step - step % window}), on {saved_ranks} ranks; this "
+                f"steps (it began at step {read_from}), on {saved_ranks} ranks; this "
                 f"source deals to {ranks}. The window's delivered steps hold samples planned "
                 "across the whole window, so only the same ranks can finish it. Restore onto "
                 f"{saved_ranks} ranks, or save at a window boundary (a step that is a multiple "
-                f"of {window}) to change the number of ranks."
+                f"of {window}, or the end of the pass) to change the number of ranks."
             )
-        return Restore(epoch, step, position.get("state"))
+        return Restore(epoch, step, read_from, position.get("state"))
     if not isinstance(ranks, dict):
         raise ResumeError(
             "The state holds a global position (saved from a DatasetSource) but this "
@@ -212,15 +224,20 @@ def read_state(
     if (entry["epoch"], entry["step"]) != (epoch, step):
         raise ResumeError(
             f"The state of rank {process_rank} is at epoch {entry['epoch']} step "
-            f"{entry['step']}, but its shared fields say epoch {epoch} step {step}: the ranks "
-            "were saved at different steps and the checkpoint kept one rank's shared fields. "
-            "Save every rank at the same step."
+            f"{entry['step']}, but its shared fields say epoch {epoch} step {step}. Either the "
+            "ranks were saved at different steps and the checkpoint kept one rank's shared "
+            "fields (save every rank at the same step), or the checkpoint has no entry for "
+            "this rank and a partial load (torch.distributed.checkpoint's "
+            "DefaultLoadPlanner(allow_partial_load=True)) left this loader's own in place: the "
+            "state was then saved on other ranks, and cannot be restored here because "
+            f"{not_elastic_reason(source)}."
         )
+    read_from = _read_from(entry, step, window)
     source_state = entry["source"]
     if step and source_state is None and entry["stateful"]:
         raise ResumeError("The state has no source state although its source was stateful.")
     decoded = None if source_state is None else _decode(source_state, "the source state")
-    return Restore(epoch, step, decoded)
+    return Restore(epoch, step, read_from, decoded)
 
 
 def describe_difference(saved: Any, current: dict[str, Any], path: str = "") -> str:
@@ -282,18 +299,19 @@ def _check_shared(state: Any) -> None:
             f"A loader state must be the dict returned by state_dict(), but got "
             f"{type(state).__name__}."
         )
+    # Format and version first: an older state lacks newer fields.
+    if "format" in state and state["format"] != STATE_FORMAT:
+        raise ResumeError(f"The state has format {state['format']!r}, expected {STATE_FORMAT!r}.")
+    if "version" in state and state["version"] != STATE_VERSION:
+        raise ResumeError(
+            f"The state has version {state['version']!r}; this evenflow reads "
+            f"version {STATE_VERSION}."
+        )
     missing = [k for k in _SHARED if k not in state]
     if missing:
         raise ResumeError(
             f"The loader state is missing {missing}; it was not produced by "
             "BalancedLoader.state_dict()."
-        )
-    if state["format"] != STATE_FORMAT:
-        raise ResumeError(f"The state has format {state['format']!r}, expected {STATE_FORMAT!r}.")
-    if state["version"] != STATE_VERSION:
-        raise ResumeError(
-            f"The state has version {state['version']!r}; this evenflow reads "
-            f"version {STATE_VERSION}."
         )
     for name in ("epoch", "step"):
         value = state[name]
@@ -311,8 +329,26 @@ def _check_shared(state: Any) -> None:
         )
 
 
+def _read_from(saved: dict[str, Any], step: int, window: int) -> int:
+    """The step a saved source state belongs to: ``step``, or (inside a balance window of
+    ``window`` steps) an earlier step of the window."""
+    read_from = saved.get("read_from")
+    if (
+        isinstance(read_from, bool)
+        or not isinstance(read_from, int)
+        or not step - window < read_from <= step
+    ):
+        raise ResumeError(
+            f"The state reads its source again from step {read_from!r} to restore step "
+            f"{step}, but a balance window of {window} steps allows steps "
+            f"{max(0, step - window + 1)} to {step}; the state was saved with another "
+            "balance_window, or is damaged."
+        )
+    return read_from
+
+
 def _check_entry(entry: Any, process_rank: int) -> None:
-    fields = ("rank", "group", "epoch", "step", "source", "stateful", "digest")
+    fields = ("rank", "group", "epoch", "step", "read_from", "source", "stateful", "digest")
     if not isinstance(entry, dict) or any(k not in entry for k in fields):
         raise ResumeError(
             f"The entry of rank {process_rank} in the state is not one state_dict() wrote."
@@ -339,7 +375,9 @@ def _digest(epoch: int, step: int, identity: str) -> str:
 
 
 def _entry_digest(entry: dict[str, Any]) -> str:
-    fields = [entry[k] for k in ("rank", "group", "epoch", "step", "source", "stateful")]
+    fields = [
+        entry[k] for k in ("rank", "group", "epoch", "step", "read_from", "source", "stateful")
+    ]
     packed = msgpack.packb([list(f) if isinstance(f, tuple) else f for f in fields])
     return hashlib.sha256(packed).hexdigest()[:24]
 

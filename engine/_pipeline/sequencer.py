@@ -87,7 +87,9 @@ class Sequencer:
 
 class WindowSequencer(Sequencer):
     """The order of a pass planned in windows of ``window`` steps (aligned to multiples of
-    ``window``; the window that reaches ``limit`` ends there).
+    ``window``; the window that reaches ``limit`` ends there). A pass restored after a window
+    that ended early (at an earlier ``max_steps`` or the source's end) may start in the middle
+    of an aligned window: its first window is then ``first_step`` to that window's end.
 
     Within window ``k`` (steps ``f .. l``): ``gather`` of ``f .. l``, ``broadcast`` of ``f``,
     then ``exchange`` and ``settle`` of ``f``, of ``f + 1`` ... of ``l``; then ``gather`` of
@@ -98,23 +100,24 @@ class WindowSequencer(Sequencer):
 
     def __init__(self, first_step: int, window: int, limit: int | None) -> None:
         super().__init__(first_step)
+        self._first = first_step
         self._window = window
         self._limit = limit
         self._end: int | None = None
 
     def window_first(self, step: int) -> int:
-        return step - step % self._window
+        return max(step - step % self._window, self._first)
 
     def window_last(self, step: int) -> int:
         """The last step of ``step``'s window as planned (before any early end)."""
-        end = self.window_first(step) + self._window
+        end = step - step % self._window + self._window
         if self._limit is not None:
             end = min(end, self._limit)
         return max(end - 1, step)
 
     def starts_window(self, step: int) -> bool:
         """Whether ``step`` is the first of a window (the round of ``max_steps`` is too)."""
-        return step % self._window == 0 or (self._limit is not None and step >= self._limit)
+        return self.window_first(step) == step or (self._limit is not None and step >= self._limit)
 
     def end_window(self, step: int) -> None:
         """The round of ``step`` (not its window's first) ended the pass: the window ends
