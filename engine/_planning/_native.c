@@ -1474,6 +1474,101 @@ done:
     return result;
 }
 
+/*
+ * search_state(cost, tok, bud, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost, bin_bud, load)
+ *
+ * The search state of the layout (flat, sizes) (see search.py), written into the given
+ * arrays: each sample's bin, each bin's count, tokens, cost and budget sums, each rank's
+ * load. Sums run in flat order from zero, as numpy's bincount adds them, and a rank's load
+ * adds its bins in order from the first, as numpy sums fewer than eight values along an
+ * axis; search.py calls this only with fewer than eight bins per rank (numpy sums longer rows
+ * pairwise), so the state is the one its numpy expressions give, to the last bit.
+ */
+static PyObject *search_state(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer cost_b, tok_b, bud_b, flat_b, sizes_b, bin_of_b, cnt_b, btok_b, bcost_b, bbud_b,
+        load_b;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*w*w*w*w*", &cost_b, &tok_b, &bud_b, &flat_b,
+                          &sizes_b, &bin_of_b, &cnt_b, &btok_b, &bcost_b, &bbud_b, &load_b)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t ranks = load_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nbud = nb ? bbud_b.len / (Py_ssize_t)sizeof(double) / nb : 0;
+    if (ranks < 1 || nb % ranks != 0 || nb / ranks >= 8) {
+        PyErr_SetString(PyExc_ValueError,
+                        "search_state: bins must split evenly into ranks, fewer than 8 each");
+        goto done;
+    }
+    if (check(&tok_b, "tok", sizeof(int64_t), n) || check(&flat_b, "flat", sizeof(int64_t), n) ||
+        check(&bud_b, "bud", sizeof(double), n * nbud) ||
+        check(&bin_of_b, "bin_of", sizeof(int64_t), n) ||
+        check(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
+        check(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
+        check(&bcost_b, "bin_cost", sizeof(double), nb) ||
+        check(&bbud_b, "bin_bud", sizeof(double), nb * nbud)) {
+        goto done;
+    }
+    const double *cost = (const double *)cost_b.buf, *bud = (const double *)bud_b.buf;
+    const int64_t *tok = (const int64_t *)tok_b.buf, *flat = (const int64_t *)flat_b.buf;
+    const int64_t *sizes = (const int64_t *)sizes_b.buf;
+    int64_t *bin_of = (int64_t *)bin_of_b.buf, *cnt = (int64_t *)cnt_b.buf;
+    int64_t *btok = (int64_t *)btok_b.buf;
+    double *bcost = (double *)bcost_b.buf, *bbud = (double *)bbud_b.buf;
+    double *load = (double *)load_b.buf;
+    Py_ssize_t per = nb / ranks, at = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        if (sizes[b] < 0 || at + sizes[b] > n) break;
+        at += sizes[b];
+    }
+    int bad = at != n;
+    for (Py_ssize_t k = 0; k < n && !bad; k++) bad = flat[k] < 0 || flat[k] >= n;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError,
+                        "search_state: flat must hold sample indices, as many as sizes say");
+        goto done;
+    }
+    at = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        double c = 0.0;
+        int64_t t = 0;
+        double *sums = bbud + b * nbud;
+        for (Py_ssize_t k = 0; k < nbud; k++) sums[k] = 0.0;
+        for (int64_t q = 0; q < sizes[b]; q++, at++) {
+            int64_t i = flat[at];
+            bin_of[i] = b;
+            c += cost[i];
+            t += tok[i];
+            for (Py_ssize_t k = 0; k < nbud; k++) sums[k] += bud[i * nbud + k];
+        }
+        cnt[b] = sizes[b];
+        btok[b] = t;
+        bcost[b] = c;
+    }
+    for (Py_ssize_t r = 0; r < ranks; r++) {
+        double l = bcost[r * per];
+        for (Py_ssize_t p = 1; p < per; p++) l += bcost[r * per + p];
+        load[r] = l;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+
+done:
+    PyBuffer_Release(&cost_b);
+    PyBuffer_Release(&tok_b);
+    PyBuffer_Release(&bud_b);
+    PyBuffer_Release(&flat_b);
+    PyBuffer_Release(&sizes_b);
+    PyBuffer_Release(&bin_of_b);
+    PyBuffer_Release(&cnt_b);
+    PyBuffer_Release(&btok_b);
+    PyBuffer_Release(&bcost_b);
+    PyBuffer_Release(&bbud_b);
+    PyBuffer_Release(&load_b);
+    return result;
+}
+
 /* Defined in _settle.c and _polish.c. */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
@@ -1482,6 +1577,8 @@ static PyMethodDef methods[] = {
     {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
     {"refine_search", refine_search, METH_VARARGS,
      "The default algorithm's local search, with or without budgets (see search.py)."},
+    {"search_state", search_state, METH_VARARGS,
+     "The local search's start state of a layout (see search.py)."},
     {"polish", evenflow_polish, METH_VARARGS,
      "The default algorithm's second search phase (see polish.py)."},
     {"settle", evenflow_settle, METH_VARARGS,

@@ -26,6 +26,7 @@ __all__ = [
     "lpt",
     "polish",
     "refine_search",
+    "search_state",
     "settle",
 ]
 
@@ -126,6 +127,26 @@ def refine_search(
         sumsq,
     )
     return out_flat, out_sizes
+
+
+def search_state(
+    problem: BalanceProblem, flat: np.ndarray, sizes: np.ndarray, state: dict[str, np.ndarray]
+) -> None:
+    """Fill ``state`` (``search.py``'s arrays, allocated by the caller) for the layout
+    ``(flat, sizes)``; fewer than eight bins per rank."""
+    _core.search_state(
+        _f64(problem.costs),
+        _i64(problem.tokens),
+        _f64(problem.budget_costs),
+        _i64(flat),
+        _i64(sizes),
+        state["bin_of"],
+        state["bin_cnt"],
+        state["bin_tok"],
+        state["bin_cost"],
+        state["bin_bud"],
+        state["load"],
+    )
 
 
 def settle(
