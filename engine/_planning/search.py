@@ -28,6 +28,11 @@ def search_state(problem: BalanceProblem, start: FlatLayout) -> dict[str, np.nda
     """The search state of layout ``start`` (fresh, writable arrays)."""
     if problem.bins_per_rank < _COMPILED_STATE_BINS:
         return _compiled_state(problem, start)
+    return _numpy_state(problem, start)
+
+
+def _numpy_state(problem: BalanceProblem, start: FlatLayout) -> dict[str, np.ndarray]:
+    """:func:`search_state` as numpy expressions (the definition the core follows)."""
     nb = len(start)
     flat = start.flat
     sizes = np.array(start.sizes, dtype=np.int64)  # a copy: the search changes it
