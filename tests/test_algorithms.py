@@ -830,3 +830,39 @@ def test_compiled_search_adds_budget_sums_as_the_oracle_does(
     assert first_infeasible_bin(problem, problem.source_bins) == -1
     expected, got = _assign_both(planning_oracle, problem)
     assert got == expected
+
+
+def test_the_compiled_search_state_is_numpys_to_the_last_bit() -> None:
+    # The search's start state decides every later comparison, so the core must build the
+    # very floats the numpy definition gives: costs of mixed magnitudes make any other
+    # summation order show in the last bits.
+    from evenflow.engine._planning import search as search_module
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        ranks, per = int(rng.integers(1, 6)), int(rng.integers(1, 8))
+        n = int(rng.integers(ranks * per, ranks * per * 5))
+        num_budgets = int(rng.integers(0, 3))
+        tokens = rng.integers(1, 300, size=n)
+        costs = rng.random(n) * rng.choice([1.0, 1e3, 1e9], size=n)
+        perm = rng.permutation(n).astype(np.int64)
+        cuts = np.sort(rng.choice(np.arange(1, n), size=ranks * per - 1, replace=False))
+        problem = BalanceProblem(
+            keys=tuple(SampleKey(0, 0, i) for i in range(n)),
+            costs=costs,
+            tokens=tokens,
+            budget_costs=rng.random((n, num_budgets)) * 10,
+            source_bins=tuple(tuple(part.tolist()) for part in np.split(perm, cuts)),
+            num_ranks=ranks,
+            bins_per_rank=per,
+            constraints=PackingConstraints(
+                10**6, packing_budgets={f"b{k}": 1e9 for k in range(num_budgets)} or None
+            ),
+        )
+        start = FlatLayout(perm, np.diff(np.concatenate([[0], cuts, [n]])).astype(np.int64))
+        compiled = search_module._compiled_state(problem, start)
+        reference = search_module._numpy_state(problem, start)
+        assert compiled.keys() == reference.keys()
+        for name, value in reference.items():
+            assert compiled[name].dtype == value.dtype and compiled[name].shape == value.shape
+            assert np.array_equal(compiled[name], value), name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from test_algorithms import FAST, assert_valid_layout, make_problem, problems
@@ -167,3 +168,36 @@ def test_plans_move_few_samples_and_stay_deterministic_in_any_gather_order() -> 
         samples, bins, 0
     )
     assert lpt.num_moved < len(samples) * 7 // 8
+
+
+@FAST
+@given(shuffled_layouts())
+def test_a_given_cost_order_settles_as_the_cores_own_sort(
+    case: tuple[BalanceProblem, FlatLayout],
+) -> None:
+    # Settling several layouts of one step sorts the samples once; the result must be what
+    # the core's own sort gives, with ties in cost broken by index either way.
+    from evenflow.engine._planning import native
+
+    problem, layout = case
+    home = _home(problem)
+    w = np.ones(problem.num_samples, dtype=np.int64)
+    limit = float(problem.rank_costs_of(problem._rank_of_flat(layout.flat, layout.sizes)).max())
+    own = native.settle(problem, layout.flat, layout.sizes, home, weights=w, limit=limit)
+    given_order = native.cost_order(problem)
+    shared = native.settle(
+        problem, layout.flat, layout.sizes, home, weights=w, limit=limit, order=given_order
+    )
+    assert np.array_equal(own[0], shared[0]) and np.array_equal(own[1], shared[1])
+
+
+def test_a_cost_order_that_is_not_one_is_refused() -> None:
+    from evenflow.engine._planning import native
+
+    problem = make_problem([[4, 1], [3, 2]], num_ranks=2, seq_len=16, costs=[4.0, 1.0, 3.0, 2.0])
+    flat, sizes = _source(problem)
+    home = _home(problem)
+    w = np.ones(problem.num_samples, dtype=np.int64)
+    for bad in ([0, 1, 2, 3], [1, 3, 2, 2], [1, 3, 2]):
+        with pytest.raises(ValueError, match="order"):
+            native.settle(problem, flat, sizes, home, weights=w, limit=10.0, order=np.array(bad))

@@ -415,7 +415,10 @@ typedef struct {
     double *bin_cost, *load;
     /* scratch: n entries each */
     int64_t *heavy, *light, *kept, *xlight, *ia, *ib, *ic, *tp;
-    double *key, *cp;
+    /* the swap's window positions (NEAR_TARGETS per sample), and each kept sample's row
+       (-1 between calls) */
+    int64_t *at, *slot;
+    double *key, *cp, *lld;
     /* scratch: one entry per rank (rooms: ranks * per) */
     int64_t *rooms, *first, *second, *best_k, *begin, *size, *pos, *order;
     unsigned char *stuck;
@@ -424,6 +427,14 @@ typedef struct {
     Py_ssize_t nbud;
     const double *bud, *limits;
     double *bin_bud, *run;
+    /* Sorted views kept between attempts (re-sorting every partner's samples each time
+       was most of a small step's search): each rank's samples by (cost, index), each bin's
+       by (tokens, index). A moving sample is taken out of and put into the views it
+       concerns; a view is stale (sorted afresh when next used) until first used, after a
+       whole-bin swap, or when it could not grow. Both orders are total, so a view always
+       equals a fresh sort of its samples. */
+    vec_t *rank_sorted, *bin_sorted;
+    unsigned char *rank_stale, *bin_stale;
 } search_t;
 
 static int vec_push(vec_t *vec, int64_t value) {
@@ -522,9 +533,66 @@ static inline int budgets_hold(const search_t *s, const double *base, const doub
     return 1;
 }
 
+static inline void mark_stale(search_t *s, int64_t b) {
+    s->bin_stale[b] = 1;
+    s->rank_stale[b / s->per] = 1;
+}
+
+/* (cost, index) ascending: _sorted_samples, and the order of the rank views. */
+static int cost_up(const search_t *s, int64_t i, int64_t j) {
+    double ci = s->cost[i], cj = s->cost[j];
+    return ci < cj || (ci == cj && i < j);
+}
+
+/* (tokens, index) ascending: the order of the bin views. */
+static int tokens_up(const search_t *s, int64_t i, int64_t j) {
+    int64_t ti = s->tok[i], tj = s->tok[j];
+    return ti < tj || (ti == tj && i < j);
+}
+
+typedef int (*before_t)(const search_t *, int64_t, int64_t);
+
+/* The first entry of a view (ordered by `before`, a strict total order) not before i. */
+static Py_ssize_t view_position(const search_t *s, const vec_t *view, int64_t i,
+                                before_t before) {
+    Py_ssize_t lo = 0, hi = view->n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (before(s, view->v[mid], i)) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo;
+}
+
+/* A sample leaves (gone = 1) or joins a fresh view, which stays sorted: O(size) instead of a
+   re-sort. A view that cannot grow is marked stale (re-sorted, or failing, when next used). */
+static void view_update(search_t *s, vec_t *view, unsigned char *stale, int64_t i, int gone,
+                        before_t before) {
+    if (*stale) return;
+    Py_ssize_t k = view_position(s, view, i, before);
+    if (gone) {
+        memmove(view->v + k, view->v + k + 1, sizeof(int64_t) * (size_t)(view->n - k - 1));
+        view->n--;
+        return;
+    }
+    if (vec_push(view, i) < 0) {
+        *stale = 1;
+        return;
+    }
+    memmove(view->v + k + 1, view->v + k, sizeof(int64_t) * (size_t)(view->n - 1 - k));
+    view->v[k] = i;
+}
+
 static int relocate(search_t *s, int64_t i, int64_t src, int64_t dst) {
     /* Room first: a failed allocation must leave the sample where bin_of says it is. */
     if (vec_push(&s->members[dst], i) < 0) return -1;
+    view_update(s, &s->bin_sorted[src], &s->bin_stale[src], i, 1, tokens_up);
+    view_update(s, &s->bin_sorted[dst], &s->bin_stale[dst], i, 0, tokens_up);
+    int64_t rs = src / s->per, rd = dst / s->per;
+    if (rs != rd) {
+        view_update(s, &s->rank_sorted[rs], &s->rank_stale[rs], i, 1, cost_up);
+        view_update(s, &s->rank_sorted[rd], &s->rank_stale[rd], i, 0, cost_up);
+    }
     s->members[dst].n--;
     vec_remove(&s->members[src], i);
     s->members[dst].v[s->members[dst].n++] = i;
@@ -635,10 +703,23 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
     if (nm > 0) {
         Py_ssize_t br = -1;
         int64_t by = -1;
+        /* Per target, its margin and its widest room: a sample that exceeds either fits none
+           of its bins, so those are skipped whole (the same candidates pass as one by one). */
+        double *margin = s->key;
+        int64_t *widest = s->tp;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            margin[t] = (top - s->load[targets[t]]) - tol;
+            widest[t] = INT64_MIN;
+            for (Py_ssize_t p = 0; p < per; p++) {
+                int64_t room = s->seq_len - s->bin_tok[targets[t] * per + p];
+                if (room > widest[t]) widest[t] = room;
+            }
+        }
         for (Py_ssize_t h = 0; h < nm; h++) {
             double ch = s->cost[hi[h]];
             int64_t th = s->tok[hi[h]];
             for (Py_ssize_t t = 0; t < nt; t++) {
+                if (!(ch < margin[t]) || th > widest[t]) continue;
                 double yload = s->load[targets[t]];
                 for (Py_ssize_t p = 0; p < per; p++) {
                     int64_t y = targets[t] * per + p;
@@ -690,8 +771,6 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
     return best->kind != NONE;
 }
 
-typedef int (*before_t)(const search_t *, int64_t, int64_t);
-
 /* Sort sample indices by `before` (a strict total order), bottom-up merge sort via `tmp`. */
 static void sort_samples(const search_t *s, int64_t *a, Py_ssize_t n, int64_t *tmp,
                          before_t before) {
@@ -712,39 +791,75 @@ static void sort_samples(const search_t *s, int64_t *a, Py_ssize_t n, int64_t *t
     if (src != a) memcpy(a, src, sizeof(int64_t) * (size_t)n);
 }
 
-/* (cost, index) ascending: _sorted_samples. */
-static int cost_up(const search_t *s, int64_t i, int64_t j) {
-    double ci = s->cost[i], cj = s->cost[j];
-    return ci < cj || (ci == cj && i < j);
-}
-
 /* (-cost, index) ascending: the exchange's heavy candidates. */
 static int cost_down(const search_t *s, int64_t i, int64_t j) {
     double ci = s->cost[i], cj = s->cost[j];
     return ci > cj || (ci == cj && i < j);
 }
 
-/* (bin, tokens, index) ascending: the exchange's partner samples. */
-static int bin_tokens_up(const search_t *s, int64_t i, int64_t j) {
-    if (s->bin_of[i] != s->bin_of[j]) return s->bin_of[i] < s->bin_of[j];
-    if (s->tok[i] != s->tok[j]) return s->tok[i] < s->tok[j];
-    return i < j;
+/* Room for exactly n entries in vec (its contents undefined); -1 when out of memory. */
+static int vec_resize(vec_t *vec, Py_ssize_t n) {
+    if (n > vec->cap) {
+        Py_ssize_t cap = n < 8 ? 8 : n;
+        int64_t *v = (int64_t *)realloc(vec->v, sizeof(int64_t) * (size_t)cap);
+        if (v == NULL) return -1;
+        vec->v = v;
+        vec->cap = cap;
+    }
+    vec->n = n;
+    return 0;
 }
 
-/* _swap */
+static Py_ssize_t rank_count(const search_t *s, int64_t r) {
+    Py_ssize_t m = 0;
+    for (Py_ssize_t b = r * s->per; b < (r + 1) * s->per; b++) m += s->members[b].n;
+    return m;
+}
+
+/* Rank r's samples by (cost, index), re-sorted only when stale; NULL when out of memory.
+   Sorting uses s->ic as scratch. */
+static const vec_t *rank_by_cost(search_t *s, int64_t r) {
+    vec_t *view = &s->rank_sorted[r];
+    if (s->rank_stale[r]) {
+        if (vec_resize(view, rank_count(s, r)) < 0) return NULL;
+        rank_samples(s, r, view->v);
+        sort_samples(s, view->v, view->n, s->ic, cost_up);
+        s->rank_stale[r] = 0;
+    }
+    return view;
+}
+
+/* Bin b's samples by (tokens, index), likewise. */
+static const vec_t *bin_by_tokens(search_t *s, int64_t b) {
+    vec_t *view = &s->bin_sorted[b];
+    if (s->bin_stale[b]) {
+        const vec_t *members = &s->members[b];
+        if (vec_resize(view, members->n) < 0) return NULL;
+        if (members->n) memcpy(view->v, members->v, sizeof(int64_t) * (size_t)members->n);
+        sort_samples(s, view->v, view->n, s->ic, tokens_up);
+        s->bin_stale[b] = 0;
+    }
+    return view;
+}
+
+/* _swap (-1 when out of memory) */
 static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh_all,
                        const int64_t *targets, Py_ssize_t nt, double tol, change_t *best) {
     double top = s->load[a];
     int64_t *light = s->light;
     Py_ssize_t L = 0;
+    double cl_min = INFINITY;
     for (Py_ssize_t t = 0; t < nt; t++) {
         s->begin[t] = L;
-        s->size[t] = rank_samples(s, targets[t], light + L);
+        s->size[t] = 0;
+        for (Py_ssize_t b = targets[t] * s->per; b < (targets[t] + 1) * s->per; b++) {
+            const vec_t *members = &s->members[b];
+            for (Py_ssize_t k = 0; k < members->n; k++) {
+                if (s->cost[members->v[k]] < cl_min) cl_min = s->cost[members->v[k]];
+            }
+            s->size[t] += members->n;
+        }
         L += s->size[t];
-    }
-    double cl_min = INFINITY;
-    for (Py_ssize_t k = 0; k < L; k++) {
-        if (s->cost[light[k]] < cl_min) cl_min = s->cost[light[k]];
     }
     int64_t *kept = s->kept;
     Py_ssize_t nh = 0;
@@ -754,9 +869,14 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
     if (nh == 0) return 0;
     int windowed = (int64_t)nh * (int64_t)L > FULL_SWAP_PAIRS;
     double span = 0.0;
-    if (windowed) {
+    if (!windowed) {
+        for (Py_ssize_t t = 0; t < nt; t++) rank_samples(s, targets[t], light + s->begin[t]);
+    } else {
+        /* Each target's samples by (cost, index). */
         for (Py_ssize_t t = 0; t < nt; t++) {
-            sort_samples(s, light + s->begin[t], s->size[t], s->ic, cost_up);
+            const vec_t *view = rank_by_cost(s, targets[t]);
+            if (view == NULL) return -1;
+            if (view->n) memcpy(light + s->begin[t], view->v, sizeof(int64_t) * (size_t)view->n);
         }
         double cl_max = s->cost[light[0]], ch_max = s->cost[kept[0]];
         for (Py_ssize_t k = 1; k < L; k++) cl_max = dmax(cl_max, s->cost[light[k]]);
@@ -770,8 +890,8 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
     }
     /* Per-partner terms once per call (the numpy search computes them as whole arrays too):
        cost, tokens, the room its bin keeps for a swapped-in sample, and its rank's margin. */
-    double *cl = s->cp;
-    int64_t *tl = s->ia, *room_y = s->ib, *tgt = s->ic;
+    double *cl = s->cp, *lld = s->lld;
+    int64_t *tl = s->ia, *room_y = s->ib;
     for (Py_ssize_t t = 0; t < nt; t++) {
         for (Py_ssize_t k = s->begin[t]; k < s->begin[t] + s->size[t]; k++) {
             int64_t j = light[k];
@@ -779,10 +899,34 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
             cl[k] = s->cost[j];
             tl[k] = s->tok[j];
             room_y[k] = s->bin_cnt[yl] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[yl] + tl[k];
-            tgt[k] = t;
+            lld[k] = s->load[targets[t]];
         }
     }
-    Py_ssize_t width = windowed ? nt * 2 * SWAP_NEIGHBOURS : L;
+    /* Windowed: where each candidate's window starts in each target, i.e. numpy's
+       searchsorted(key, q, side="left") with q = t * span + max(ch - half_gap, 0) (keys of
+       earlier targets are below t * span <= q and keys of later ones above (t + 1) * span > q,
+       span being over twice any cost, so the answer lies in t's own segment or just past
+       it). q grows with ch, so walking the rank's samples by cost moves one pointer forward
+       through each target's keys: O(samples) per target instead of a search per pair.
+       swap_family is only called with nt <= NEAR_TARGETS targets (at holds that many). */
+    int64_t *at = s->at;
+    if (windowed) {
+        const vec_t *mine = rank_by_cost(s, a);
+        if (mine == NULL) return -1;
+        for (Py_ssize_t h = 0; h < nh; h++) s->slot[kept[h]] = h;
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            double half_gap = 0.5 * (top - s->load[targets[t]]);
+            Py_ssize_t ptr = s->begin[t], end = s->begin[t] + s->size[t];
+            for (Py_ssize_t v = 0; v < mine->n; v++) {
+                int64_t i = mine->v[v], h = s->slot[i];
+                if (h < 0) continue;
+                double q = (double)t * span + dmax(s->cost[i] - half_gap, 0.0);
+                while (ptr < end && s->key[ptr] < q) ptr++;
+                at[h * nt + t] = ptr;
+            }
+        }
+        for (Py_ssize_t h = 0; h < nh; h++) s->slot[kept[h]] = -1;
+    }
     double best_score = INFINITY;
     int64_t bi = -1, bj = -1;
     for (Py_ssize_t h = 0; h < nh; h++) {
@@ -791,76 +935,57 @@ static int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t 
         int64_t th = s->tok[i];
         int64_t xh = s->bin_of[i];
         int64_t room_x = s->bin_cnt[xh] == 1 ? UNBOUNDED : s->seq_len - s->bin_tok[xh] + th;
-        if (windowed) {
-            for (Py_ssize_t t = 0; t < nt; t++) {
-                double half_gap = 0.5 * (top - s->load[targets[t]]);
-                double q = (double)t * span + dmax(ch - half_gap, 0.0);
-                /* searchsorted(key, q, side="left"): keys of earlier targets are below
-                   t * span <= q and keys of later ones above (t + 1) * span > q (span is
-                   over twice any cost), so the answer lies in t's own segment or just
-                   past it, and searching there finds the same index. */
-                Py_ssize_t lo = s->begin[t], hi = s->begin[t] + s->size[t];
-                while (lo < hi) {
-                    Py_ssize_t mid = lo + (hi - lo) / 2;
-                    if (s->key[mid] < q) lo = mid + 1;
-                    else hi = mid;
-                }
-                s->pos[t] = lo;
-            }
+        /* One candidate pair (i, light[k]): the numpy search's row-major argmin keeps the
+           first strictly lowest score. */
+#define SWAP_CANDIDATE(k)                                                                      \
+    do {                                                                                       \
+        double lload = lld[k];                                                                 \
+        double delta = ch - cl[k];                                                             \
+        if (!(delta > tol && delta < (top - lload) - tol)) break;                              \
+        if (!(tl[k] <= room_x && th <= room_y[k])) break;                                      \
+        if (s->nbud) {                                                                         \
+            /* x keeps (sums - i) + j unless i is alone there; y (sums - j) + i likewise. */   \
+            Py_ssize_t K = s->nbud;                                                            \
+            int64_t j = light[k], yl = s->bin_of[j];                                           \
+            const double *bi_row = s->bud + i * K, *bj_row = s->bud + j * K;                   \
+            if (s->bin_cnt[xh] != 1 && !budgets_hold(s, s->bin_bud + xh * K, bi_row, bj_row))  \
+                break;                                                                         \
+            if (s->bin_cnt[yl] != 1 && !budgets_hold(s, s->bin_bud + yl * K, bj_row, bi_row))  \
+                break;                                                                         \
+        }                                                                                      \
+        double score = dmax(top - delta, lload + delta);                                       \
+        if (bi < 0 || score < best_score) {                                                    \
+            best_score = score;                                                                \
+            bi = i;                                                                            \
+            bj = light[k];                                                                     \
+        }                                                                                      \
+    } while (0)
+        if (!windowed) {
+            for (Py_ssize_t k = 0; k < L; k++) SWAP_CANDIDATE(k);
+            continue;
         }
-        Py_ssize_t previous = -1;
-        for (Py_ssize_t col = 0; col < width; col++) {
-            Py_ssize_t k = col;
-            if (windowed) {
-                Py_ssize_t t = col / (2 * SWAP_NEIGHBOURS);
-                k = s->pos[t] + col % (2 * SWAP_NEIGHBOURS) - SWAP_NEIGHBOURS;
-                if (k < s->begin[t]) k = s->begin[t];
-                if (k > s->begin[t] + s->size[t] - 1) k = s->begin[t] + s->size[t] - 1;
-                /* Only a target without samples gets here: numpy's index -1 is the last. */
-                if (k < 0) k = L - 1;
-                /* A window clipped at its rank's edge repeats a partner: same score, and
-                   only the first occurrence can be the argmin. */
-                if (k == previous) continue;
-                previous = k;
-            }
-            double lload = s->load[targets[tgt[k]]];
-            double delta = ch - cl[k];
-            if (!(delta > tol && delta < (top - lload) - tol)) continue;
-            if (!(tl[k] <= room_x && th <= room_y[k])) continue;
-            if (s->nbud) {
-                /* x keeps (sums - i) + j unless i is alone there; y (sums - j) + i likewise. */
-                Py_ssize_t K = s->nbud;
-                int64_t j = light[k], yl = s->bin_of[j];
-                const double *bi_row = s->bud + i * K, *bj_row = s->bud + j * K;
-                if (s->bin_cnt[xh] != 1 && !budgets_hold(s, s->bin_bud + xh * K, bi_row, bj_row))
-                    continue;
-                if (s->bin_cnt[yl] != 1 && !budgets_hold(s, s->bin_bud + yl * K, bj_row, bi_row))
-                    continue;
-            }
-            double score = dmax(top - delta, lload + delta);
-            if (bi < 0 || score < best_score) {
-                best_score = score;
-                bi = i;
-                bj = light[k];
-            }
+        for (Py_ssize_t t = 0; t < nt; t++) {
+            Py_ssize_t first = s->begin[t], last = s->begin[t] + s->size[t] - 1;
+            Py_ssize_t lo = at[h * nt + t];
+            /* The window pos - SWAP_NEIGHBOURS .. pos + SWAP_NEIGHBOURS - 1, each end
+               clipped to t's segment: a clipped window repeats an edge partner, whose
+               repeats score the same and cannot be the first argmin, so each partner of the
+               clipped range is tried once, in order. A target holds samples (bins are never
+               empty), so the segment is not empty. */
+            Py_ssize_t from = lo - SWAP_NEIGHBOURS, to = lo + SWAP_NEIGHBOURS - 1;
+            if (from < first) from = first;
+            if (from > last) from = last;
+            if (to > last) to = last;
+            if (to < first) to = first;
+            for (Py_ssize_t k = from; k <= to; k++) SWAP_CANDIDATE(k);
         }
+#undef SWAP_CANDIDATE
     }
     if (bi < 0) return 0;
     best->kind = SWAP;
     best->a = bi;
     best->b = bj;
     return 1;
-}
-
-/* First index of tp[0..len) with tp[idx] >= v (right=0) or > v (right=1). */
-static inline Py_ssize_t search_sorted(const int64_t *tp, Py_ssize_t len, int64_t v, int right) {
-    Py_ssize_t lo = 0, hi = len;
-    while (lo < hi) {
-        Py_ssize_t mid = lo + (hi - lo) / 2;
-        if (right ? tp[mid] <= v : tp[mid] < v) lo = mid + 1;
-        else hi = mid;
-    }
-    return lo;
 }
 
 /* Budgets of exchanging sample i (bin x) for the sorted partners [start, end) of bin y:
@@ -885,30 +1010,57 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
     double top = s->load[a];
     int64_t *heavy = s->kept;
     Py_ssize_t nh = nh_all;
-    memcpy(heavy, heavy_all, sizeof(int64_t) * (size_t)nh_all);
     if (nh > EXCHANGE_CANDIDATES) {
-        sort_samples(s, heavy, nh, s->ic, cost_down);
+        /* The first EXCHANGE_CANDIDATES by (-cost, index), in that order: what a full sort
+           would put first, by insertion into a short list. */
+        Py_ssize_t held = 0;
+        for (Py_ssize_t h = 0; h < nh_all; h++) {
+            int64_t i = heavy_all[h];
+            if (held == EXCHANGE_CANDIDATES && !cost_down(s, i, heavy[held - 1])) continue;
+            Py_ssize_t k = held < EXCHANGE_CANDIDATES ? held++ : held - 1;
+            while (k > 0 && cost_down(s, i, heavy[k - 1])) {
+                heavy[k] = heavy[k - 1];
+                k--;
+            }
+            heavy[k] = i;
+        }
         nh = EXCHANGE_CANDIDATES;
+    } else {
+        memcpy(heavy, heavy_all, sizeof(int64_t) * (size_t)nh_all);
+    }
+    /* The partners by (bin, tokens, index): the target ranks in ascending order (their bins
+       are contiguous), each bin's cached view by (tokens, index). */
+    int64_t *ranks_up = s->pos;
+    for (Py_ssize_t t = 0; t < nt; t++) {
+        Py_ssize_t k = t;
+        while (k > 0 && ranks_up[k - 1] > targets[t]) {
+            ranks_up[k] = ranks_up[k - 1];
+            k--;
+        }
+        ranks_up[k] = targets[t];
     }
     int64_t *light = s->xlight;
     Py_ssize_t m = 0;
     for (Py_ssize_t t = 0; t < nt; t++) {
         for (Py_ssize_t p = 0; p < per; p++) {
-            int64_t y = targets[t] * per + p;
+            int64_t y = ranks_up[t] * per + p;
             if (s->bin_cnt[y] < 2) continue;
-            memcpy(light + m, s->members[y].v, sizeof(int64_t) * (size_t)s->members[y].n);
-            m += s->members[y].n;
+            const vec_t *view = bin_by_tokens(s, y);
+            if (view == NULL) return -1;
+            memcpy(light + m, view->v, sizeof(int64_t) * (size_t)view->n);
+            m += view->n;
         }
     }
     if (m == 0) return 0;
-    sort_samples(s, light, m, s->ic, bin_tokens_up);
     int64_t *tp = s->tp, *stop = s->ia;
     double *cp = s->cp;
     tp[0] = 0;
     cp[0] = 0.0;
+    int nonneg = 1;
     for (Py_ssize_t k = 0; k < m; k++) {
         tp[k + 1] = tp[k] + s->tok[light[k]];
         cp[k + 1] = cp[k] + s->cost[light[k]];
+        nonneg &= s->cost[light[k]] >= 0.0;
     }
     Py_ssize_t K = s->nbud;
     double *run = s->run;
@@ -943,21 +1095,34 @@ static int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_
             int64_t xh = s->bin_of[i];
             double ch = s->cost[i];
             int64_t hi = s->bin_cnt[xh] == 1 ? s->seq_len : s->seq_len - s->bin_tok[xh] + th;
+            /* With costs >= 0 a run costs >= 0 (cp never decreases), so exchanging i scores
+               at least top - ch: once that cannot beat the pass's best, skip i. */
+            if (nonneg && prow >= 0 && top - ch >= pass_score) continue;
+            /* Both searches start above k (the bound is > tp[k]) and only ends up to stop[k]
+               can qualify, so searching tp[k + 1 .. stop[k]] gives the same verdict as
+               numpy's search over all of tp. Within a bin the bound only grows with k (tp
+               does, and the bin's room and hi are fixed), so the answer does too: one
+               pointer walks each bin once per candidate (what searchsorted would return
+               for every start, in linear rather than n log n steps). */
+            Py_ssize_t e = 0;
             for (Py_ssize_t k = 0; k < m; k++) {
                 if (stop[k] < k + 2) continue; /* a run needs two samples of k's bin */
                 int64_t lo = th - room[k];
                 int64_t base = tp[k];
                 int64_t end;
-                /* Both searches start above k (the bound is > tp[k]) and only ends up to
-                   stop[k] can qualify, so searching tp[k + 1 .. stop[k]] gives the same
-                   verdict as numpy's search over all of tp, at a fraction of the steps. */
-                const int64_t *window = tp + k + 1;
-                Py_ssize_t span_len = stop[k] - k;
+                Py_ssize_t last = stop[k];
+                if (e < k + 1) e = k + 1;
                 if (pass == 0) {
-                    end = k + 1 + search_sorted(window, span_len, base + (lo > 1 ? lo : 1), 0);
+                    /* searchsorted left: the first end in (k, last] with tp[end] >= bound */
+                    int64_t bound = base + (lo > 1 ? lo : 1);
+                    while (e <= last && tp[e] < bound) e++;
+                    end = e;
                 } else {
-                    end = k + search_sorted(window, span_len, base + hi, 1);
-                    if (end > stop[k]) end = stop[k];
+                    /* searchsorted right, less one: the last end in (k, last] with
+                       tp[end] <= bound, else k */
+                    int64_t bound = base + hi;
+                    while (e <= last && tp[e] <= bound) e++;
+                    end = e - 1;
                 }
                 if (end > m) end = m;
                 int64_t run_tok = tp[end] - base;
@@ -1028,6 +1193,8 @@ static int64_t apply_change(search_t *s, const change_t *c) {
     case BIN_SWAP: {
         x = c->a;
         y = c->b;
+        mark_stale(s, x);
+        mark_stale(s, y);
         vec_t held = s->members[x];
         s->members[x] = s->members[y];
         s->members[y] = held;
@@ -1080,12 +1247,12 @@ static int64_t improve(search_t *s, int64_t a) {
     Py_ssize_t nh = rank_samples(s, a, s->heavy);
     Py_ssize_t near = size < NEAR_TARGETS ? size : NEAR_TARGETS;
     change_t change;
-    if (cheap(s, a, s->heavy, nh, order, near, tol, 0, &change) ||
-        swap_family(s, a, s->heavy, nh, order, near, tol, &change) ||
-        exchange_family(s, a, s->heavy, nh, order, near, tol, &change) ||
-        cheap(s, a, s->heavy, nh, order, near, tol, 1, &change)) {
-        return apply_change(s, &change);
-    }
+    int found = cheap(s, a, s->heavy, nh, order, near, tol, 0, &change);
+    if (!found) found = swap_family(s, a, s->heavy, nh, order, near, tol, &change);
+    if (!found) found = exchange_family(s, a, s->heavy, nh, order, near, tol, &change);
+    if (!found) found = cheap(s, a, s->heavy, nh, order, near, tol, 1, &change);
+    if (found < 0) return -2;
+    if (found) return apply_change(s, &change);
     if (size > NEAR_TARGETS &&
         cheap(s, a, s->heavy, nh, order + NEAR_TARGETS, size - NEAR_TARGETS, tol, 1, &change)) {
         return apply_change(s, &change);
@@ -1140,15 +1307,23 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
         check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
         goto done;
     }
-    size_t words = (size_t)(8 * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
+    size_t words = (size_t)((10 + NEAR_TARGETS) * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
     block = calloc(words, sizeof(int64_t));
     s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
     s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
     s.run = nbud ? (double *)calloc((size_t)((n + 1) * nbud), sizeof(double)) : NULL;
-    if (block == NULL || s.members == NULL || s.stuck == NULL || (nbud && s.run == NULL)) {
+    s.rank_sorted = (vec_t *)calloc((size_t)ranks, sizeof(vec_t));
+    s.bin_sorted = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
+    s.rank_stale = (unsigned char *)malloc((size_t)ranks);
+    s.bin_stale = (unsigned char *)malloc((size_t)nb);
+    if (block == NULL || s.members == NULL || s.stuck == NULL || (nbud && s.run == NULL) ||
+        s.rank_sorted == NULL || s.bin_sorted == NULL || s.rank_stale == NULL ||
+        s.bin_stale == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    memset(s.rank_stale, 1, (size_t)ranks);
+    memset(s.bin_stale, 1, (size_t)nb);
     int64_t *w = (int64_t *)block;
     s.heavy = w; w += n;
     s.light = w; w += n;
@@ -1158,6 +1333,10 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     s.ib = w; w += n;
     s.ic = w; w += n;
     s.key = (double *)w; w += n;
+    s.lld = (double *)w; w += n;
+    s.at = w; w += NEAR_TARGETS * n;
+    s.slot = w; w += n;
+    for (Py_ssize_t i = 0; i < n; i++) s.slot[i] = -1;
     s.tp = w; w += n + 1;
     s.cp = (double *)w; w += n + 1;
     s.rooms = w; w += ranks * per;
@@ -1264,7 +1443,17 @@ done:
     if (s.members != NULL) {
         for (Py_ssize_t b = 0; b < nb; b++) free(s.members[b].v);
     }
+    if (s.bin_sorted != NULL) {
+        for (Py_ssize_t b = 0; b < nb; b++) free(s.bin_sorted[b].v);
+    }
+    if (s.rank_sorted != NULL) {
+        for (Py_ssize_t r = 0; r < ranks; r++) free(s.rank_sorted[r].v);
+    }
     free(s.members);
+    free(s.bin_sorted);
+    free(s.rank_sorted);
+    free(s.rank_stale);
+    free(s.bin_stale);
     free(s.stuck);
     free(s.run);
     free(block);
@@ -1285,6 +1474,101 @@ done:
     return result;
 }
 
+/*
+ * search_state(cost, tok, bud, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost, bin_bud, load)
+ *
+ * The search state of the layout (flat, sizes) (see search.py), written into the given
+ * arrays: each sample's bin, each bin's count, tokens, cost and budget sums, each rank's
+ * load. Sums run in flat order from zero, as numpy's bincount adds them, and a rank's load
+ * adds its bins in order from the first, as numpy sums fewer than eight values along an
+ * axis; search.py calls this only with fewer than eight bins per rank (numpy sums longer rows
+ * pairwise), so the state is the one its numpy expressions give, to the last bit.
+ */
+static PyObject *search_state(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer cost_b, tok_b, bud_b, flat_b, sizes_b, bin_of_b, cnt_b, btok_b, bcost_b, bbud_b,
+        load_b;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*w*w*w*w*", &cost_b, &tok_b, &bud_b, &flat_b,
+                          &sizes_b, &bin_of_b, &cnt_b, &btok_b, &bcost_b, &bbud_b, &load_b)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);
+    Py_ssize_t ranks = load_b.len / (Py_ssize_t)sizeof(double);
+    Py_ssize_t nbud = nb ? bbud_b.len / (Py_ssize_t)sizeof(double) / nb : 0;
+    if (ranks < 1 || nb % ranks != 0 || nb / ranks >= 8) {
+        PyErr_SetString(PyExc_ValueError,
+                        "search_state: bins must split evenly into ranks, fewer than 8 each");
+        goto done;
+    }
+    if (check(&tok_b, "tok", sizeof(int64_t), n) || check(&flat_b, "flat", sizeof(int64_t), n) ||
+        check(&bud_b, "bud", sizeof(double), n * nbud) ||
+        check(&bin_of_b, "bin_of", sizeof(int64_t), n) ||
+        check(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
+        check(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
+        check(&bcost_b, "bin_cost", sizeof(double), nb) ||
+        check(&bbud_b, "bin_bud", sizeof(double), nb * nbud)) {
+        goto done;
+    }
+    const double *cost = (const double *)cost_b.buf, *bud = (const double *)bud_b.buf;
+    const int64_t *tok = (const int64_t *)tok_b.buf, *flat = (const int64_t *)flat_b.buf;
+    const int64_t *sizes = (const int64_t *)sizes_b.buf;
+    int64_t *bin_of = (int64_t *)bin_of_b.buf, *cnt = (int64_t *)cnt_b.buf;
+    int64_t *btok = (int64_t *)btok_b.buf;
+    double *bcost = (double *)bcost_b.buf, *bbud = (double *)bbud_b.buf;
+    double *load = (double *)load_b.buf;
+    Py_ssize_t per = nb / ranks, at = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        if (sizes[b] < 0 || at + sizes[b] > n) break;
+        at += sizes[b];
+    }
+    int bad = at != n;
+    for (Py_ssize_t k = 0; k < n && !bad; k++) bad = flat[k] < 0 || flat[k] >= n;
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError,
+                        "search_state: flat must hold sample indices, as many as sizes say");
+        goto done;
+    }
+    at = 0;
+    for (Py_ssize_t b = 0; b < nb; b++) {
+        double c = 0.0;
+        int64_t t = 0;
+        double *sums = bbud + b * nbud;
+        for (Py_ssize_t k = 0; k < nbud; k++) sums[k] = 0.0;
+        for (int64_t q = 0; q < sizes[b]; q++, at++) {
+            int64_t i = flat[at];
+            bin_of[i] = b;
+            c += cost[i];
+            t += tok[i];
+            for (Py_ssize_t k = 0; k < nbud; k++) sums[k] += bud[i * nbud + k];
+        }
+        cnt[b] = sizes[b];
+        btok[b] = t;
+        bcost[b] = c;
+    }
+    for (Py_ssize_t r = 0; r < ranks; r++) {
+        double l = bcost[r * per];
+        for (Py_ssize_t p = 1; p < per; p++) l += bcost[r * per + p];
+        load[r] = l;
+    }
+    Py_INCREF(Py_None);
+    result = Py_None;
+
+done:
+    PyBuffer_Release(&cost_b);
+    PyBuffer_Release(&tok_b);
+    PyBuffer_Release(&bud_b);
+    PyBuffer_Release(&flat_b);
+    PyBuffer_Release(&sizes_b);
+    PyBuffer_Release(&bin_of_b);
+    PyBuffer_Release(&cnt_b);
+    PyBuffer_Release(&btok_b);
+    PyBuffer_Release(&bcost_b);
+    PyBuffer_Release(&bbud_b);
+    PyBuffer_Release(&load_b);
+    return result;
+}
+
 /* Defined in _settle.c and _polish.c. */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
@@ -1293,6 +1577,8 @@ static PyMethodDef methods[] = {
     {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
     {"refine_search", refine_search, METH_VARARGS,
      "The default algorithm's local search, with or without budgets (see search.py)."},
+    {"search_state", search_state, METH_VARARGS,
+     "The local search's start state of a layout (see search.py)."},
     {"polish", evenflow_polish, METH_VARARGS,
      "The default algorithm's second search phase (see polish.py)."},
     {"settle", evenflow_settle, METH_VARARGS,

@@ -364,19 +364,21 @@ static Py_ssize_t home_pass(home_t *s, double limit, const indexed_t *by_cost, i
 
 /*
  * settle(cost, tok, weight, home, flat, sizes, out_flat, out_sizes, per_rank, seq_len,
- *        limit) -> number of homecoming changes
+ *        limit, order) -> number of homecoming changes
  *
  * home[i] is the source bin of sample i (rank-major), weight[i] >= 0 its movement weight.
  * (flat, sizes) is the layout to settle; the settled one goes to (out_flat, out_sizes),
  * each bin's samples in their order (a sample brought home joins the end of its bin).
- * limit < 0 skips homecoming (relabelling only).
+ * limit < 0 skips homecoming (relabelling only). order lists the samples by (cost, index)
+ * ascending, what homecoming's cost index is built from; an empty order has it sorted here
+ * (a caller settling several layouts of one step sorts once).
  */
 PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer cost_b, tok_b, w_b, home_b, flat_b, sizes_b, of_b, os_b;
+    Py_buffer cost_b, tok_b, w_b, home_b, flat_b, sizes_b, of_b, os_b, order_b;
     Py_ssize_t per, seq_len;
     double limit;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*nnd", &cost_b, &tok_b, &w_b, &home_b, &flat_b,
-                          &sizes_b, &of_b, &os_b, &per, &seq_len, &limit)) {
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*nndy*", &cost_b, &tok_b, &w_b, &home_b,
+                          &flat_b, &sizes_b, &of_b, &os_b, &per, &seq_len, &limit, &order_b)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -390,6 +392,33 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
         home_b.len != n * 8 || flat_b.len != n * 8 || of_b.len != n * 8 ||
         os_b.len != nb * 8) {
         PyErr_SetString(PyExc_ValueError, "settle: inconsistent array sizes");
+        goto done;
+    }
+    const int64_t *order = order_b.len ? (const int64_t *)order_b.buf : NULL;
+    failed = order != NULL && order_b.len != n * 8;
+    if (order != NULL && !failed) {
+        /* Trusted below as a permutation in (cost, index) order: checked here, O(n). */
+        unsigned char *seen = calloc((size_t)(n > 0 ? n : 1), 1);
+        if (seen == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        const double *c = (const double *)cost_b.buf;
+        for (Py_ssize_t k = 0; k < n && !failed; k++) {
+            int64_t i = order[k];
+            if (i < 0 || i >= n || seen[i]) {
+                failed = 1;
+            } else {
+                seen[i] = 1;
+                if (k > 0 && (c[order[k - 1]] > c[i] || (c[order[k - 1]] == c[i] && order[k - 1] > i)))
+                    failed = 1;
+            }
+        }
+        free(seen);
+    }
+    if (failed) {
+        PyErr_SetString(PyExc_ValueError,
+                        "settle: order must list every sample once by (cost, index)");
         goto done;
     }
     Py_ssize_t ranks = nb / per;
@@ -506,7 +535,12 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
         indexed_t *index = malloc(sizeof(indexed_t) * (size_t)(n > 0 ? n : 1));
         indexed_t *by_cost = malloc(sizeof(indexed_t) * (size_t)(n > 0 ? n : 1));
         int64_t *rank_start = malloc(sizeof(int64_t) * (size_t)(ranks + 2));
-        if (by_cost != NULL) {
+        if (by_cost != NULL && order != NULL) {
+            for (Py_ssize_t k = 0; k < n; k++) {
+                by_cost[k].cost = cost[order[k]];
+                by_cost[k].id = order[k];
+            }
+        } else if (by_cost != NULL) {
             for (Py_ssize_t i = 0; i < n; i++) {
                 by_cost[i].cost = cost[i];
                 by_cost[i].id = i;
@@ -560,5 +594,6 @@ done:
     PyBuffer_Release(&sizes_b);
     PyBuffer_Release(&of_b);
     PyBuffer_Release(&os_b);
+    PyBuffer_Release(&order_b);
     return result;
 }

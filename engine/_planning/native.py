@@ -19,7 +19,16 @@ import numpy as np
 
 from evenflow.engine._planning.problem import BalanceProblem
 
-__all__ = ["CORE_VERSION", "core_identity", "lpt", "polish", "refine_search", "settle"]
+__all__ = [
+    "CORE_VERSION",
+    "core_identity",
+    "cost_order",
+    "lpt",
+    "polish",
+    "refine_search",
+    "search_state",
+    "settle",
+]
 
 _MODULE = "evenflow.engine._planning._native"
 
@@ -120,6 +129,26 @@ def refine_search(
     return out_flat, out_sizes
 
 
+def search_state(
+    problem: BalanceProblem, flat: np.ndarray, sizes: np.ndarray, state: dict[str, np.ndarray]
+) -> None:
+    """Fill ``state`` (``search.py``'s arrays, allocated by the caller) for the layout
+    ``(flat, sizes)``; fewer than eight bins per rank."""
+    _core.search_state(
+        _f64(problem.costs),
+        _i64(problem.tokens),
+        _f64(problem.budget_costs),
+        _i64(flat),
+        _i64(sizes),
+        state["bin_of"],
+        state["bin_cnt"],
+        state["bin_tok"],
+        state["bin_cost"],
+        state["bin_bud"],
+        state["load"],
+    )
+
+
 def settle(
     problem: BalanceProblem,
     flat: np.ndarray,
@@ -128,9 +157,12 @@ def settle(
     *,
     weights: np.ndarray,
     limit: float,
+    order: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Relabel ``(flat, sizes)`` towards the source bins ``home`` and, when ``limit >= 0``,
-    bring samples home while every rank stays at or below ``limit`` (see ``settle.py``)."""
+    bring samples home while every rank stays at or below ``limit`` (see ``settle.py``).
+    ``order``: the samples by (cost, index) ascending (:func:`cost_order`), or None to have
+    the core sort them."""
     flat = _i64(flat)
     sizes = _i64(sizes)
     out_flat = np.empty_like(flat)
@@ -147,8 +179,17 @@ def settle(
         problem.bins_per_rank,
         problem.constraints.seq_len,
         float(limit),
+        _NO_ORDER if order is None else _i64(order),
     )
     return out_flat, out_sizes
+
+
+_NO_ORDER = np.zeros(0, dtype=np.int64)
+
+
+def cost_order(problem: BalanceProblem) -> np.ndarray:
+    """The samples by (cost, index) ascending: what :func:`settle` sorts unless given it."""
+    return np.argsort(problem.costs, kind="stable")
 
 
 def polish(

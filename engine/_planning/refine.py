@@ -71,6 +71,7 @@ import numpy as np
 from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.lockstep import lockstep_assign
 from evenflow.engine._planning.lpt import lpt_layout
+from evenflow.engine._planning.native import cost_order
 from evenflow.engine._planning.objectives import lockstep, makespan
 from evenflow.engine._planning.polish import polish, polish_cells
 from evenflow.engine._planning.problem import (
@@ -194,12 +195,15 @@ class RefineAlgorithm:
         """
         n = problem.num_samples
         home = home_bins(source.flat, source.sizes, n)
+        order = cost_order(problem)  # sorted once for every settle below
 
         def score(flat: np.ndarray, sizes: np.ndarray) -> float:
             return _score_of(problem, problem._rank_of_flat(flat, sizes))
 
         layouts = [
-            FlatLayout(*settle(problem, f.flat, f.sizes, home, score=score), settled=True)
+            FlatLayout(
+                *settle(problem, f.flat, f.sizes, home, score=score, order=order), settled=True
+            )
             for f in finalists
         ]
         scores = [score(lay.flat, lay.sizes) for lay in layouts]
@@ -214,7 +218,8 @@ class RefineAlgorithm:
             )
             if _score_of(problem, stay_rank_of) <= best and _budgets_hold(problem, stay):
                 settled = FlatLayout(
-                    *settle(problem, stay.flat, stay.sizes, home, score=score), settled=True
+                    *settle(problem, stay.flat, stay.sizes, home, score=score, order=order),
+                    settled=True,
                 )
                 layouts.insert(0, settled)
                 scores.insert(0, score(settled.flat, settled.sizes))

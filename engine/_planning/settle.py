@@ -52,13 +52,16 @@ def settle(
     *,
     weights: np.ndarray | None = None,
     score: Any = None,
+    order: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layout ``(flat, sizes)`` relabelled towards ``home`` and, under the makespan
     objective, with samples brought home where no rank then exceeds the makespan.
 
     ``score(flat, sizes)`` is the planner's objective of a layout; the result never scores
     above the given layout (homecoming is dropped otherwise). ``weights``: per-sample
-    movement weights (default one each).
+    movement weights (default one each). ``order``: the samples by (cost, index), from
+    :func:`~evenflow.engine._planning.native.cost_order`, when settling several layouts of
+    one step (else sorted here).
     """
     n = problem.num_samples
     w = np.ones(n, dtype=np.int64) if weights is None else np.ascontiguousarray(weights, np.int64)
@@ -71,7 +74,7 @@ def settle(
         loads = np.bincount(rank_of, weights=problem.costs[flat], minlength=problem.num_ranks)
         peak = float(loads.max(initial=0.0))
         limit = peak - _MARGIN * abs(peak)
-    out = native.settle(problem, flat, sizes, home, weights=w, limit=limit)
+    out = native.settle(problem, flat, sizes, home, weights=w, limit=limit, order=order)
     if homecoming and score is not None and score(*out) > score(flat, sizes):
         out = native.settle(problem, flat, sizes, home, weights=w, limit=-1.0)
     return out
