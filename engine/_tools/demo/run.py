@@ -79,15 +79,16 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         default=default_ranks,
         help=f"number of ranks (default: one per CPU core, at least 2; here {default_ranks})",
     )
-    parser.add_argument("--steps", type=int, default=32, help="training steps per arm (default 32)")
+    parser.add_argument("--steps", type=int, default=96, help="training steps per arm (default 96)")
     parser.add_argument(
         "--seq-len", type=int, default=1024, help="tokens per packed sequence (default 1024)"
     )
     parser.add_argument(
         "--bins-per-rank",
         type=int,
-        default=2,
-        help="packed sequences (microbatches) per rank per step (default 2)",
+        default=1,
+        help="packed sequences (microbatches) per rank per step (default 1: the shape where "
+        "one step's plan has least room and a balance window most)",
     )
     parser.add_argument(
         "--window",
