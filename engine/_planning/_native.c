@@ -26,6 +26,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "_vec.h"
+
 #define CORE_VERSION 3
 
 typedef struct {
@@ -391,11 +393,6 @@ done:
 #define EXCHANGE_CANDIDATES 8
 #define UNBOUNDED INT64_MAX
 
-typedef struct {
-    int64_t *v;
-    Py_ssize_t n, cap;
-} vec_t;
-
 typedef enum { NONE = 0, MOVE, SHIFT_MOVE, BIN_SWAP, SWAP, EXCHANGE } kind_t;
 
 typedef struct {
@@ -437,28 +434,6 @@ typedef struct {
     unsigned char *rank_stale, *bin_stale;
 } search_t;
 
-static int vec_push(vec_t *vec, int64_t value) {
-    if (vec->n == vec->cap) {
-        Py_ssize_t cap = vec->cap ? 2 * vec->cap : 8;
-        int64_t *v = (int64_t *)realloc(vec->v, sizeof(int64_t) * (size_t)cap);
-        if (v == NULL) return -1;
-        vec->v = v;
-        vec->cap = cap;
-    }
-    vec->v[vec->n++] = value;
-    return 0;
-}
-
-/* list.remove: the first occurrence, the rest keeping their order. */
-static void vec_remove(vec_t *vec, int64_t value) {
-    for (Py_ssize_t k = 0; k < vec->n; k++) {
-        if (vec->v[k] == value) {
-            memmove(vec->v + k, vec->v + k + 1, sizeof(int64_t) * (size_t)(vec->n - k - 1));
-            vec->n--;
-            return;
-        }
-    }
-}
 
 /* np.maximum of two non-NaN doubles. */
 static inline double dmax(double x, double y) { return x >= y ? x : y; }

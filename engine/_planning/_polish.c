@@ -35,35 +35,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_vec.h"
+
 #define POLISH_PARTNERS 8
 #define SUBSET_CANDIDATES 8
 
-typedef struct {
-    int64_t *v;
-    Py_ssize_t n, cap;
-} plist_t;
-
-static int plist_push(plist_t *l, int64_t value) {
-    if (l->n == l->cap) {
-        Py_ssize_t cap = l->cap ? 2 * l->cap : 8;
-        int64_t *v = (int64_t *)realloc(l->v, sizeof(int64_t) * (size_t)cap);
-        if (v == NULL) return -1;
-        l->v = v;
-        l->cap = cap;
-    }
-    l->v[l->n++] = value;
-    return 0;
-}
-
-static void plist_remove(plist_t *l, int64_t value) {
-    for (Py_ssize_t k = 0; k < l->n; k++) {
-        if (l->v[k] == value) {
-            memmove(l->v + k, l->v + k + 1, sizeof(int64_t) * (size_t)(l->n - k - 1));
-            l->n--;
-            return;
-        }
-    }
-}
 
 typedef struct {
     Py_ssize_t ranks, per, n;
@@ -71,7 +47,7 @@ typedef struct {
     int sumsq;
     const double *cost;
     const int64_t *tok;
-    plist_t *members;
+    vec_t *members;
     int64_t *bin_of, *bin_cnt, *bin_tok;
     double *bin_cost, *load;
     /* scratch */
@@ -85,8 +61,8 @@ static inline double pmax(double x, double y) { return x >= y ? x : y; }
 
 static int relocate(polish_t *s, int64_t i, int64_t dst) {
     int64_t src = s->bin_of[i];
-    if (plist_push(&s->members[dst], i) < 0) return -1;
-    plist_remove(&s->members[src], i);
+    if (vec_push(&s->members[dst], i) < 0) return -1;
+    vec_remove(&s->members[src], i);
     s->bin_of[i] = dst;
     s->bin_tok[src] -= s->tok[i];
     s->bin_tok[dst] += s->tok[i];
@@ -147,7 +123,7 @@ static int wide_move(polish_t *s, int64_t a, double tol, int64_t *mi, int64_t *m
     double best_score = 0.0;
     int64_t bi = -1, bb = -1;
     for (Py_ssize_t b = a * per; b < (a + 1) * per; b++) {
-        const plist_t *l = &s->members[b];
+        const vec_t *l = &s->members[b];
         if (l->n < 2) continue;
         for (Py_ssize_t k = 0; k < l->n; k++) {
             int64_t i = l->v[k];
@@ -223,7 +199,7 @@ static void knapsack(const polish_t *s, const int64_t *items, Py_ssize_t m, int6
 
 /* Items of bin y for the knapsack: its samples of at most `cap` tokens, by index. */
 static Py_ssize_t bin_items(polish_t *s, int64_t y, int64_t cap, int64_t *items) {
-    const plist_t *l = &s->members[y];
+    const vec_t *l = &s->members[y];
     Py_ssize_t m = 0;
     for (Py_ssize_t k = 0; k < l->n; k++) {
         if (s->tok[l->v[k]] <= cap) items[m++] = l->v[k];
@@ -259,7 +235,7 @@ static int subset_exchange(polish_t *s, int64_t a, double tol, subset_t *best) {
        short sorted list. */
     Py_ssize_t nh = 0;
     for (Py_ssize_t b = a * per; b < (a + 1) * per; b++) {
-        const plist_t *l = &s->members[b];
+        const vec_t *l = &s->members[b];
         for (Py_ssize_t k = 0; k < l->n; k++) {
             int64_t i = l->v[k];
             if (s->tok[i] > s->seq_len) continue;
@@ -419,7 +395,7 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     size_t words = (size_t)(4 * ranks + 2 * n + 2) + 2 * (size_t)(seq_len + 1);
     block = calloc(words, sizeof(int64_t));
-    s.members = (plist_t *)calloc((size_t)nb, sizeof(plist_t));
+    s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
     s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
     if (block == NULL || s.members == NULL || s.stuck == NULL) {
         PyErr_NoMemory();
@@ -465,7 +441,7 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
                     failed = 1;
                 } else {
                     seen[i] = 1;
-                    if (plist_push(&s.members[b], i) < 0) failed = 2;
+                    if (vec_push(&s.members[b], i) < 0) failed = 2;
                 }
             }
         }

@@ -32,6 +32,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_vec.h"
+
 #define EXACT_ASSIGN 128
 #define TOP_PAIRS 8
 #define HOME_PASSES 4
@@ -217,39 +219,13 @@ static int assign_labels(Py_ssize_t g, Py_ssize_t m, const int64_t *row, const i
     return status;
 }
 
-typedef struct {
-    int64_t *v;
-    Py_ssize_t n, cap;
-} list_t;
-
-static int list_push(list_t *l, int64_t value) {
-    if (l->n == l->cap) {
-        Py_ssize_t cap = l->cap ? 2 * l->cap : 8;
-        int64_t *v = (int64_t *)realloc(l->v, sizeof(int64_t) * (size_t)cap);
-        if (v == NULL) return -1;
-        l->v = v;
-        l->cap = cap;
-    }
-    l->v[l->n++] = value;
-    return 0;
-}
-
-static void list_remove(list_t *l, int64_t value) {
-    for (Py_ssize_t k = 0; k < l->n; k++) {
-        if (l->v[k] == value) {
-            memmove(l->v + k, l->v + k + 1, sizeof(int64_t) * (size_t)(l->n - k - 1));
-            l->n--;
-            return;
-        }
-    }
-}
 
 typedef struct {
     Py_ssize_t n, per;
     int64_t seq_len;
     const double *cost;
     const int64_t *tok, *home, *home_rank;
-    list_t *members;
+    vec_t *members;
     int64_t *bin_of, *bin_tok;
     int64_t *rank_of;  /* bin_of / per, kept so the scans divide nothing */
     int64_t *version;  /* per rank: bumped whenever the rank gains or loses a sample */
@@ -259,8 +235,8 @@ typedef struct {
 
 static int home_relocate(home_t *s, int64_t i, int64_t dst) {
     int64_t src = s->bin_of[i];
-    if (list_push(&s->members[dst], i) < 0) return -1;
-    list_remove(&s->members[src], i);
+    if (vec_push(&s->members[dst], i) < 0) return -1;
+    vec_remove(&s->members[src], i);
     s->bin_of[i] = dst;
     s->rank_of[i] = dst / s->per;
     s->version[src / s->per]++;
@@ -384,7 +360,7 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *result = NULL;
     Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
     Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);
-    list_t *members = NULL;
+    vec_t *members = NULL;
     int64_t *block = NULL;
     Py_ssize_t changes = 0;
     int failed = 0;
@@ -455,7 +431,7 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
     /* rows, cols (n each), bin_of (n), bin start (nb + 1), rank perm (ranks), bin perm
        (per), position of each old bin (nb), bin tokens (nb), loads (ranks). */
     block = malloc(sizeof(int64_t) * (size_t)(3 * n + 3 * nb + 2 * ranks + per + 2));
-    members = calloc((size_t)nb, sizeof(list_t));
+    members = calloc((size_t)nb, sizeof(vec_t));
     if (block == NULL || members == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -506,7 +482,7 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
             int64_t dst = where[b];
             bin_tok[dst] = 0;
             for (int64_t k = first[b]; k < first[b + 1]; k++) {
-                if (list_push(&members[dst], flat[k]) < 0) failed = 1;
+                if (vec_push(&members[dst], flat[k]) < 0) failed = 1;
                 bin_tok[dst] += tok[flat[k]];
             }
         }
