@@ -24,7 +24,8 @@ times:
 * **pickled**: ``all_gather_object`` of each rank's whole outgoing dict, every rank keeping
   its share: the naive approach.
 
-Each timed call starts after a barrier, in an order that rotates every repeat; a repeat's
+Each timed call starts after a garbage collection and a barrier, in an order that changes
+every repeat so that every method follows every other equally often; a repeat's
 time is the slowest rank's, and repeat 0 (the warm-up of every method) is dropped. Reported
 figures are medians over repeats of payload bytes sent per rank per second; evenflow's
 frames carry a few extra header bytes that the figures do not credit. Targets: evenflow at
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -195,9 +197,10 @@ async def _measure_size(
     )
     rows: dict[str, list[float]] = {name: [] for name in _METHODS}
     for repeat in range(repeats + 1):  # repeat 0 warms every method up and is dropped
-        # Rotate the order so that no method always runs right after the same other one.
-        shift = repeat % len(_METHODS)
-        for name in _METHODS[shift:] + _METHODS[:shift]:
+        for name in _order(_METHODS, repeat):
+            # No method pays for the garbage of the one before it (the pickled baseline
+            # leaves megabytes of it).
+            gc.collect()
             dist.barrier(group=world)
             start = time.perf_counter()
             await methods[name]()
@@ -211,6 +214,24 @@ async def _measure_size(
         "prepare_s": prepare_s,
         "seconds": rows,
     }
+
+
+def _order(methods: Sequence[str], repeat: int) -> list[str]:
+    """The order of ``methods`` in ``repeat``: rows of a Williams Latin square.
+
+    A method's time depends on what ran just before it (caches, freed memory, Gloo's
+    buffers). Rotating one fixed order would keep every method's predecessor the same; in
+    these rows (for an even count) every method follows every other exactly once per
+    ``len(methods)`` repeats, and holds every position once."""
+    n = len(methods)
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    return [methods[(index + repeat) % n] for index in first]
 
 
 def _rank_main(
@@ -505,7 +526,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
         default=None,
         help="payload sizes per rank in MiB (default 1 4 16 64)",
     )
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats per case")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repeats per case (default 25: on a shared 2-core machine single repeats "
+        "vary by +-30%%, and fewer made the 90%% verdict a coin toss)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="payload seed (default 0)")
     parser.add_argument(
         "--modes-steps",
@@ -523,7 +550,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench exchange
             f"{' '.join(map(str, ranks))}."
         )
     sizes = args.sizes_mib or ([1] if args.quick else [1, 4, 16, 64])
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 25)
     if repeats < 1:
         parser.error(f"--repeats must be >= 1, got {repeats}.")
     modes_steps = args.modes_steps if args.modes_steps is not None else (4 if args.quick else 24)
