@@ -13,7 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from evenflow.transports._wire import decode, decode_many, encode, encode_many
+from evenflow.transports import _wirec
+from evenflow.transports._wire import (
+    _PREFIX,
+    _align,
+    _decode_frame,
+    decode,
+    decode_many,
+    encode,
+    encode_many,
+)
 from evenflow.transports.errors import WireFormatError
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -130,3 +139,63 @@ def test_damaged_frames_decode_or_raise_wire_format_error(value: Any, data: st.D
         frame[position] = data.draw(st.integers(0, 255))
     with contextlib.suppress(WireFormatError):
         decode(frame)  # damage inside a number or an array's data can stay undetected
+
+
+# -- the compiled decoder against the checked Python path ----------------------------------------
+
+
+def compiled(frame: bytes | bytearray) -> Any:
+    """What the compiled decoder alone makes of ``frame`` (NotImplemented: it declines)."""
+    view = memoryview(frame)
+    if len(view) < _PREFIX.size:
+        return NotImplemented
+    header_len, body_len = _PREFIX.unpack_from(view)[4:]
+    base = _align(_PREFIX.size + header_len)
+    if not header_len or body_len % 64 or base + body_len != len(view):
+        return NotImplemented  # the Python prefix checks refuse these before any decoder runs
+    return _wirec.decode(view, header_len, base, body_len)
+
+
+def checked(frame: bytes | bytearray) -> Any:
+    return _decode_frame(memoryview(frame), 1 << 31, fast=False)
+
+
+@SETTINGS
+@given(VALUES)
+def test_the_compiled_decoder_builds_what_the_checked_path_builds(value: Any) -> None:
+    for frame in (bytearray(encode(value).tobytes()), encode(value).tobytes()):
+        fast = compiled(frame)
+        if fast is NotImplemented:  # only numpy scalars are left to the Python path
+            assert any(isinstance(v, np.generic) for v in _leaves(value))
+            continue
+        assert_same(fast, value)
+        assert_same(fast, checked(frame))
+
+
+@SETTINGS
+@given(VALUES, st.data())
+def test_the_compiled_decoder_accepts_a_damaged_frame_only_as_the_checked_path_does(
+    value: Any, data: st.DataObject
+) -> None:
+    frame = bytearray(encode(value).tobytes())
+    header_len = _PREFIX.unpack_from(frame)[4]
+    for _ in range(data.draw(st.integers(1, 4))):
+        # Mostly the header, where the decoders differ; sometimes the lengths in the prefix.
+        position = data.draw(st.integers(8, _PREFIX.size + header_len - 1))
+        frame[position] = data.draw(st.integers(0, 255))
+    fast = compiled(frame)
+    try:
+        slow = checked(frame)
+    except WireFormatError:
+        assert fast is NotImplemented  # whatever the checked path refuses, C declines
+        return
+    if fast is not NotImplemented:
+        assert_same(fast, slow)
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]

@@ -56,16 +56,13 @@ class Prepared:
     resized before the frame is written); ``nbytes`` is the exact size of its frame.
     """
 
-    __slots__ = ("_builder", "value")
+    __slots__ = ("_builder", "nbytes", "value")
 
     def __init__(self, value: Any, builder: _FrameBuilder | _Zeros) -> None:
         self.value = value
         self._builder = builder
-
-    @property
-    def nbytes(self) -> int:
-        """Exact size of the object's wire frame (a multiple of 64)."""
-        return self._builder.size
+        #: Exact size of the object's wire frame (a multiple of 64).
+        self.nbytes: int = builder.size
 
     def write(self, out: memoryview) -> None:
         """Write the frame into ``out``, exactly :attr:`nbytes` bytes."""
@@ -166,7 +163,7 @@ def write_segments(
         for _, prepared in outgoing.get(target, ()):
             size = prepared.nbytes
             try:
-                prepared.write(view[position : position + size])
+                prepared._builder.write(view[position : position + size])
             except Exception as exc:
                 buffer[position : position + size] = 0
                 error = error or TransportError(

@@ -1,0 +1,11 @@
+# Types of the compiled frame decoder (_wirec.c).
+from collections.abc import Callable, Sequence
+from typing import Any
+
+def decode(frame: memoryview, header_len: int, base: int, body_len: int, /) -> Any: ...
+def configure(
+    specs: Sequence[tuple[int, int, Any, bool, bool]],
+    frombuffer: Callable[..., Any],
+    make_tensor: Callable[..., Any],
+    /,
+) -> None: ...
