@@ -87,7 +87,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from evenflow.transports import _wirec  # the compiled fast path of _decode_frame
+from evenflow.transports._wirec import configure as _configure_compiled
+from evenflow.transports._wirec import decode as _decode_compiled
 from evenflow.transports.errors import EncodeError, WireFormatError
 
 __all__ = ["DEFAULT_MAX_FRAME_BYTES", "decode", "decode_many", "encode", "encode_many"]
@@ -740,7 +741,7 @@ def _tensor_at(
     return tensor.view(dtype).view(shape)
 
 
-_wirec.configure(
+_configure_compiled(
     [(d.code, d.itemsize, d.carrier, d.numpy, d.torch is not None) for d in _DTYPES.values()],
     np.frombuffer,
     _tensor_at,
@@ -818,7 +819,7 @@ def _decode_frame(view: memoryview, max_frame_bytes: int, *, fast: bool = True) 
             f"({base + body_len} bytes with padding) but has {size} bytes."
         )
     if fast:
-        obj = _wirec.decode(view, header_len, base, body_len)
+        obj = _decode_compiled(view, header_len, base, body_len)
         if obj is not NotImplemented:
             return obj
     # The checked path: every frame the compiled decoder declines, which includes every
