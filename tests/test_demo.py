@@ -170,6 +170,9 @@ def test_bad_arguments_exit_non_zero_with_a_clear_message(
     assert "--cost-model" in capsys.readouterr().err
     assert main(["--hidden-size", "30", "--out", str(tmp_path)]) == 2
     assert "try 28" in capsys.readouterr().err
+    assert main(["--thread-nice", "20", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--thread-nice must be at most 19" in err and "got 20" in err
 
 
 def test_an_unwritable_out_is_named_as_the_option(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -386,3 +387,49 @@ def test_the_loader_lowers_the_gil_switch_interval_but_never_raises_it() -> None
         sys.setswitchinterval(before)
     with pytest.raises(ConfigError, match=r"LoaderConfig\.switch_interval"):
         LoaderConfig(seq_len=8, bins_per_rank=1, switch_interval=0.0)
+
+
+def _loader_thread_priorities(**options: Any) -> dict[str, int]:
+    """Niceness of every thread a loader started, read while it delivers its steps."""
+    import os
+    import threading
+
+    seen: dict[str, int] = {}
+    (loader,) = make_loaders(1, max_steps=3, **options)
+    with loader:
+        for _ in loader:
+            for thread in threading.enumerate():
+                if thread.name.startswith("evenflow-") and thread.native_id is not None:
+                    try:
+                        seen[thread.name] = os.getpriority(os.PRIO_PROCESS, thread.native_id)
+                    except OSError:  # the thread ended between the listing and the read
+                        continue
+    return seen
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_thread_nice_lowers_the_loaders_threads_and_leaves_the_callers_alone() -> None:
+    import os
+    import threading
+
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    lowered = _loader_thread_priorities(thread_nice=7)
+    plain = _loader_thread_priorities()
+    for seen in (lowered, plain):
+        # The loop thread (sync iteration), the CPU pool and the source pool all ran.
+        assert "evenflow-loop" in seen, seen
+        assert any(name.startswith("evenflow-cpu") for name in seen), seen
+        assert any(name.startswith("evenflow-source") for name in seen), seen
+    assert set(lowered.values()) == {min(19, caller + 7)}, lowered
+    assert set(plain.values()) == {caller}, plain
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller
+
+
+def test_thread_nice_is_validated_with_the_parameter_and_the_fix() -> None:
+    from evenflow.engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"LoaderConfig\.thread_nice must be at most 19.*got 20"):
+        LoaderConfig(seq_len=8, bins_per_rank=1, thread_nice=20)
+    with pytest.raises(ConfigError, match=r"LoaderConfig\.thread_nice must be an integer >= 0"):
+        LoaderConfig(seq_len=8, bins_per_rank=1, thread_nice=-1)
+    assert LoaderConfig(seq_len=8, bins_per_rank=1, thread_nice=19).thread_nice == 19

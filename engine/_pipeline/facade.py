@@ -104,6 +104,8 @@ class LoaderFacade:
         self._mode: str | None = None  # "sync" | "async", fixed by the first iteration call
         self._closed = False
         self._loop_thread: LoopThread | None = None
+        #: The loop thread's lowered priority, None to leave it (subclasses set it).
+        self._thread_niceness: int | None = None
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -283,5 +285,5 @@ class LoaderFacade:
 
     def _ensure_thread(self) -> LoopThread:
         if self._loop_thread is None:
-            self._loop_thread = LoopThread()
+            self._loop_thread = LoopThread(self._thread_niceness)
         return self._loop_thread

@@ -13,6 +13,7 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._logging import show_info_lines
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
+from evenflow.engine._pipeline.loop_thread import lowered_niceness, nice_initializer
 from evenflow.engine._pipeline.loss_tokens import LossTokens, step_loss_tokens
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
 from evenflow.engine._pipeline.parts import (
@@ -106,6 +107,9 @@ class BalancedLoader(LoaderFacade):
             metadata_fn = own_metadata_fn
         self._source = guard_one_shot(source)
         self._config = config
+        # Computed once, from the thread that builds the loader: threads inherit their
+        # creator's niceness, so every thread the loader starts gets this absolute value.
+        self._thread_niceness = lowered_niceness(config.thread_nice)
         self._transport, self._owns_transport = _resolve_transport(transport, config)
         self._world_transport = _check_world_transport(world_transport, self._transport)
         parts = loader_parts(
@@ -135,9 +139,15 @@ class BalancedLoader(LoaderFacade):
         if self._transport.launch_on_caller:
             self._launcher = CallerLauncher()
             self._transport.launcher = self._launcher
-        self._cpu = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="evenflow-cpu")
+        # Every thread the loader starts runs at the configured lower priority (none by
+        # default): the pipeline works ahead of training and can wait for a core; compute
+        # cannot. The transport's collective thread is the transport's own.
+        nice = nice_initializer(self._thread_niceness)
+        self._cpu = concurrent.futures.ThreadPoolExecutor(
+            2, thread_name_prefix="evenflow-cpu", initializer=nice
+        )
         self._source_executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="evenflow-source"
+            1, thread_name_prefix="evenflow-source", initializer=nice
         )
         # Shared-dataset mode: the bounded pool that reads each step's assigned samples.
         self._assigned: AssignedReader | None = None
@@ -146,7 +156,7 @@ class BalancedLoader(LoaderFacade):
         if shared is not None:
             threads = int(getattr(shared, "read_threads", 1))
             self._read_executor = concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix="evenflow-read"
+                threads, thread_name_prefix="evenflow-read", initializer=nice
             )
             self._assigned = AssignedReader(shared, self._read_executor, threads=threads)
         self._dataset = shared_identity(source)

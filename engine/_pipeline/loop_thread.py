@@ -1,16 +1,64 @@
-"""Running coroutines from synchronous code: a loader's own loop thread, and a one-off runner."""
+"""Running coroutines from synchronous code: a loader's own loop thread, and a one-off runner;
+and the scheduling priority of the threads a loader starts."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import logging
+import os
+import sys
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "run_coroutine"]
+__all__ = [
+    "LoopThread",
+    "lowered_niceness",
+    "nice_initializer",
+    "renice_current_thread",
+    "run_coroutine",
+]
+
+_log = logging.getLogger("evenflow")
 
 T = TypeVar("T")
+
+
+def lowered_niceness(increment: int) -> int | None:
+    """The niceness ``increment`` steps below the calling thread's priority (at most 19), or
+    None when there is nothing to do: 0, off Linux (niceness is per thread only there), or
+    when the OS does not say."""
+    if not increment or not sys.platform.startswith("linux"):
+        return None
+    try:
+        return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + increment)
+    except OSError:
+        return None
+
+
+def renice_current_thread(niceness: int | None) -> None:
+    """Lower the calling thread's priority to ``niceness`` (None: leave it).
+
+    Absolute, not an increment: Linux threads inherit their creator's niceness, so a pool
+    started from an already lowered thread must not be lowered twice. Never raises the
+    priority, and a refusal by the OS is logged at DEBUG: a lower priority is a preference,
+    never a reason to fail.
+    """
+    if niceness is None:
+        return
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < niceness:
+            os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except OSError as exc:
+        _log.debug("evenflow: could not lower the priority of thread %d: %s", tid, exc)
+
+
+def nice_initializer(niceness: int | None) -> Callable[[], None] | None:
+    """A ``ThreadPoolExecutor`` initializer that lowers each worker's priority, or None."""
+    return None if niceness is None else functools.partial(renice_current_thread, niceness)
 
 
 class LoopThread:
@@ -18,14 +66,17 @@ class LoopThread:
 
     A sync-iterated loader runs its pipeline here for its whole life, so the pipeline's tasks,
     futures and executors stay bound to one loop however the caller's thread blocks.
+    ``niceness``: the thread's lowered priority (``LoaderConfig.thread_nice``), None to leave it.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, niceness: int | None = None) -> None:
         self.loop = asyncio.new_event_loop()
+        self._niceness = niceness
         self._thread = threading.Thread(target=self._main, name="evenflow-loop", daemon=True)
         self._thread.start()
 
     def _main(self) -> None:
+        renice_current_thread(self._niceness)
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 

@@ -54,6 +54,7 @@ RUNTIME_ONLY = (
     "planning",
     "prefetch_depth",
     "switch_interval",
+    "thread_nice",
     "timeout",
 )
 

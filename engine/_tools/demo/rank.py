@@ -141,6 +141,9 @@ class _Arm:
             max_steps=spec["steps"],
             timeout=spec["timeout"],
             log_stats=False,
+            # Two ranks share two cores with three arms' pipelines: the pipelines work ahead
+            # and can wait for a core, the training step cannot.
+            thread_nice=spec.get("thread_nice", 0),
             **options,
         )
         source = _source(spec, parts["data"], parts["lengths"], rank, num_ranks)

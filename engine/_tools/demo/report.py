@@ -238,6 +238,7 @@ def build_report(
             "ranks": num_ranks,
             "cores": spec["cores"],
             "threads_per_rank": spec["threads_per_rank"],
+            "thread_nice": spec.get("thread_nice", 0),
             "steps": spec["steps"],
             "seq_len": spec["seq_len"],
             "bins_per_rank": spec["bins_per_rank"],
@@ -368,7 +369,14 @@ def format_report(report: dict[str, Any]) -> str:
         "arms: "
         + ", ".join(arms[n]["label"] for n in names)
         + (f" ({c['window']} steps planned together)" if c.get("window") else "")
-        + "; the same steps from the same weights, one step of each arm in turn",
+        + "; the same steps from the same weights, one step of each arm in turn"
+        + (
+            f"; the loaders' threads run at lower priority (thread_nice={c['thread_nice']}), so "
+            "the training step "
+            "gets the cores first"
+            if c.get("thread_nice")
+            else ""
+        ),
         f"averages over steps 1-{off['num_steps'] - 1} (step 0 fills the pipeline)",
         "",
         f"{'':32}" + "".join(f"{arms[n]['label']:>20}" for n in names),

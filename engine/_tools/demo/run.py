@@ -114,6 +114,13 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     parser.add_argument("--seed", type=int, default=0, help="data and weight seed (default 0)")
     parser.add_argument(
+        "--thread-nice",
+        type=int,
+        default=19,
+        help="LoaderConfig.thread_nice of every arm's loader: its pipeline threads yield the "
+        "CPU to training, as spare cores would let them (default 19; 0 leaves them alone)",
+    )
+    parser.add_argument(
         "--out", default="./evenflow-out", help="output directory (default ./evenflow-out)"
     )
     parser.add_argument(
@@ -136,6 +143,11 @@ def _check_args(args: argparse.Namespace) -> None:
     check_int("--layers", args.layers, minimum=1)
     check_number("--lr", args.lr, minimum=0.0, strict_minimum=True)
     check_int("--seed", args.seed, minimum=0)
+    if check_int("--thread-nice", args.thread_nice, minimum=0) > 19:
+        raise ConfigError(
+            f"--thread-nice must be at most 19 (the lowest priority), but got "
+            f"{args.thread_nice}; pass 0 to leave the pipelines' threads alone."
+        )
     check_number("--deadline", args.deadline, minimum=0.0, strict_minimum=True)
     if args.hidden_size % _HEADS:
         raise ConfigError(
@@ -202,6 +214,7 @@ def _spec(args: argparse.Namespace, out: Path, cores: int) -> dict[str, Any]:
         # One intra-op thread a rank, like one device a rank: a rank's compute is then the CPU
         # time of its training thread, which the demo measures beside the wall time.
         "threads_per_rank": 1,
+        "thread_nice": args.thread_nice,
     }
 
 
