@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -191,6 +192,51 @@ def test_the_compiled_decoder_accepts_a_damaged_frame_only_as_the_checked_path_d
         return
     if fast is not NotImplemented:
         assert_same(fast, slow)
+
+
+def checked_many(buffer: bytes | bytearray, sizes: list[int]) -> list[Any]:
+    """Frame by frame through the checked path, as decode_many does when C declines."""
+    out, position = [], 0
+    for size in sizes:
+        out.append(checked(buffer[position : position + size]) if size else None)
+        position += size
+    return out
+
+
+@SETTINGS
+@given(st.lists(VALUES | st.just(None), max_size=4), st.data())
+def test_the_compiled_decode_many_agrees_with_frame_by_frame_decoding(
+    values: list[Any], data: st.DataObject
+) -> None:
+    encoded, sizes = encode_many(values)
+    buffer = bytearray(encoded.tobytes())
+    fast = _wirec.decode_many(memoryview(buffer), sizes, 1 << 31)
+    if fast is NotImplemented:
+        assert any(isinstance(v, np.generic) for v in _leaves(values))
+    else:
+        assert_same(fast, values)
+    if not buffer:
+        return
+    for _ in range(data.draw(st.integers(1, 4))):  # prefixes and headers alike
+        position = data.draw(st.integers(0, len(buffer) - 1))
+        buffer[position] = data.draw(st.integers(0, 255))
+    fast = _wirec.decode_many(memoryview(buffer), sizes, 1 << 31)
+    try:
+        slow = checked_many(buffer, sizes)
+    except WireFormatError:
+        assert fast is NotImplemented
+        return
+    if fast is not NotImplemented:
+        assert_same(fast, slow)
+
+
+@pytest.mark.parametrize("body_len", [(1 << 64) - 64, (1 << 63), 64 * 10**9])
+def test_a_body_length_beyond_the_frame_is_declined_and_refused(body_len: int) -> None:
+    frame = bytearray(encode({"tokens": np.arange(40, dtype=np.int32)}).tobytes())
+    struct.pack_into("<Q", frame, 12, body_len)
+    assert _wirec.decode_many(memoryview(frame), [len(frame)], 1 << 31) is NotImplemented
+    with pytest.raises(WireFormatError, match="frame 0 of 1"):
+        decode_many(frame, [len(frame)])
 
 
 def _leaves(value: Any) -> list[Any]:

@@ -51,8 +51,8 @@ typedef struct {
     const uint8_t *body; /* the frame's body */
     uint64_t body_len;
     uint64_t cursor;     /* body offset where the next buffer must start */
-    Py_ssize_t base;     /* where the body starts in the frame */
-    PyObject *frame;     /* what views are taken of */
+    Py_ssize_t base;     /* where the body starts in the buffer views are taken of */
+    PyObject *frame;     /* what views are taken of: the frame, or the buffer holding it */
 } reader_t;
 
 static inline uint16_t be16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
@@ -295,6 +295,24 @@ static PyObject *parse(reader_t *r, int depth) {
     }
 }
 
+/* The object of the frame at buf[origin:origin + size] (views are taken of `owner`, whose
+ * buffer buf is), or NULL with no exception set when the frame is declined. */
+static PyObject *frame_at(PyObject *owner, const uint8_t *buf, Py_ssize_t origin,
+                          Py_ssize_t size, Py_ssize_t header_len, Py_ssize_t base,
+                          Py_ssize_t body_len) {
+    const uint8_t *frame = buf + origin;
+    reader_t r = {frame + 20, frame + 20 + header_len, frame + base, (uint64_t)body_len, 0,
+                  origin + base, owner};
+    PyObject *result = parse(&r, 0);
+    if (!result || result == TUPLE_MARK || r.p != r.end || r.cursor != (uint64_t)body_len) {
+        Py_XDECREF(result);
+        PyErr_Clear();
+        return NULL;
+    }
+    (void)size;
+    return result;
+}
+
 /* decode(frame, header_len, base, body_len) -> the object, or NotImplemented. */
 static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4) {
@@ -316,18 +334,71 @@ static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "frame lengths do not match the buffer");
         goto done;
     }
-    const uint8_t *frame = (const uint8_t *)view.buf;
-    reader_t r = {frame + 20, frame + 20 + header_len, frame + base, (uint64_t)body_len, 0,
-                  base, args[0]};
-    result = parse(&r, 0);
-    if (!result || result == TUPLE_MARK || r.p != r.end || r.cursor != (uint64_t)body_len) {
-        Py_XDECREF(result);
-        PyErr_Clear();
-        result = Py_NewRef(Py_NotImplemented);
-    }
+    result = frame_at(args[0], (const uint8_t *)view.buf, 0, view.len, header_len, base, body_len);
+    if (!result) result = Py_NewRef(Py_NotImplemented);
 done:
     PyBuffer_Release(&view);
     return result;
+}
+
+static inline uint32_t le32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* decode_many(buffer, sizes, max_frame_bytes) -> a list (None for empty sizes), or
+ * NotImplemented when any frame's prefix or header is not plainly valid. The caller has
+ * checked that the sizes are non-negative ints adding up to the buffer's length. Each
+ * prefix is checked as _decode_frame checks it. */
+static PyObject *decode_many(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || !PyList_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "decode_many(buffer, sizes: list, max_frame_bytes)");
+        return NULL;
+    }
+    if (!frombuffer) {
+        PyErr_SetString(PyExc_RuntimeError, "configure() must run first");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[2]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
+    const uint8_t *buf = (const uint8_t *)view.buf;
+    Py_ssize_t count = PyList_GET_SIZE(args[1]), position = 0;
+    PyObject *out = PyList_New(count);
+    if (!out) goto fail;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t size = PyLong_AsSsize_t(PyList_GET_ITEM(args[1], i));
+        if (size < 0 || size > view.len - position) goto decline; /* also a conversion error */
+        if (!size) {
+            PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+            continue;
+        }
+        const uint8_t *f = buf + position;
+        if (size < 20 || memcmp(f, "EVFW", 4) != 0 || f[4] != 1 || f[5] != 0 || f[6] || f[7])
+            goto decline;
+        uint32_t header_len = le32(f + 8);
+        uint64_t body_len = (uint64_t)le32(f + 12) | (uint64_t)le32(f + 16) << 32;
+        uint64_t base = (20 + (uint64_t)header_len + ALIGN - 1) & ~(uint64_t)(ALIGN - 1);
+        /* body_len is bounded first, so that the sums below cannot wrap. */
+        if (!header_len || body_len > (uint64_t)size || body_len % ALIGN ||
+            base + body_len != (uint64_t)size || base + body_len > (uint64_t)limit)
+            goto decline;
+        PyObject *item = frame_at(args[0], buf, position, size, header_len, (Py_ssize_t)base,
+                                  (Py_ssize_t)body_len);
+        if (!item) goto decline;
+        PyList_SET_ITEM(out, i, item);
+        position += size;
+    }
+    PyBuffer_Release(&view);
+    return out;
+decline:
+    PyErr_Clear();
+    Py_DECREF(out);
+    PyBuffer_Release(&view);
+    return Py_NewRef(Py_NotImplemented);
+fail:
+    PyBuffer_Release(&view);
+    return NULL;
 }
 
 /* configure(specs, frombuffer, make_tensor): specs holds (code, itemsize, carrier,
@@ -365,6 +436,8 @@ static PyObject *configure(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL,
      "decode(frame, header_len, base, body_len): the frame's object, or NotImplemented."},
+    {"decode_many", (PyCFunction)(void (*)(void))decode_many, METH_FASTCALL,
+     "decode_many(buffer, sizes, max_frame_bytes): every frame's object, or NotImplemented."},
     {"configure", configure, METH_VARARGS,
      "configure(specs, frombuffer, make_tensor): the dtype table and array constructors."},
     {NULL, NULL, 0, NULL},
