@@ -158,11 +158,12 @@ def settle(
     weights: np.ndarray,
     limit: float,
     order: np.ndarray | None = None,
+    thorough: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Relabel ``(flat, sizes)`` towards the source bins ``home`` and, when ``limit >= 0``,
     bring samples home while every rank stays at or below ``limit`` (see ``settle.py``).
     ``order``: the samples by (cost, index) ascending (:func:`cost_order`), or None to have
-    the core sort them."""
+    the core sort them. ``thorough``: more passes, more swap partners a sample."""
     flat = _i64(flat)
     sizes = _i64(sizes)
     out_flat = np.empty_like(flat)
@@ -180,6 +181,7 @@ def settle(
         problem.constraints.seq_len,
         float(limit),
         _NO_ORDER if order is None else _i64(order),
+        thorough,
     )
     return out_flat, out_sizes
 

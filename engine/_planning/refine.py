@@ -232,7 +232,15 @@ class RefineAlgorithm:
             moved = int(np.count_nonzero(problem._rank_of_flat(lay.flat, lay.sizes) != home_rank))
             if fewest < 0 or moved < fewest:
                 pick, fewest = k, moved
-        return layouts[pick]
+        # The winner, settled again with a wider homecoming: every rank stays at or below its
+        # makespan, so the choice above and its score stand, and only movement can fall.
+        chosen = layouts[pick]
+        return FlatLayout(
+            *settle(
+                problem, chosen.flat, chosen.sizes, home, score=score, order=order, thorough=True
+            ),
+            settled=True,
+        )
 
     def _refine(
         self,

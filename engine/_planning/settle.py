@@ -53,6 +53,7 @@ def settle(
     weights: np.ndarray | None = None,
     score: Any = None,
     order: np.ndarray | None = None,
+    thorough: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The layout ``(flat, sizes)`` relabelled towards ``home`` and, under the makespan
     objective, with samples brought home where no rank then exceeds the makespan.
@@ -61,7 +62,8 @@ def settle(
     above the given layout (homecoming is dropped otherwise). ``weights``: per-sample
     movement weights (default one each). ``order``: the samples by (cost, index), from
     :func:`~evenflow.engine._planning.native.cost_order`, when settling several layouts of
-    one step (else sorted here).
+    one step (else sorted here). ``thorough``: eight homecoming passes of 64 swap partners a
+    sample instead of four of eight, for a plan's final layout (``refine.py``).
     """
     n = problem.num_samples
     w = np.ones(n, dtype=np.int64) if weights is None else np.ascontiguousarray(weights, np.int64)
@@ -74,7 +76,9 @@ def settle(
         loads = np.bincount(rank_of, weights=problem.costs[flat], minlength=problem.num_ranks)
         peak = float(loads.max(initial=0.0))
         limit = peak - _MARGIN * abs(peak)
-    out = native.settle(problem, flat, sizes, home, weights=w, limit=limit, order=order)
+    out = native.settle(
+        problem, flat, sizes, home, weights=w, limit=limit, order=order, thorough=thorough
+    )
     if homecoming and score is not None and score(*out) > score(flat, sizes):
         out = native.settle(problem, flat, sizes, home, weights=w, limit=-1.0)
     return out
