@@ -67,7 +67,7 @@ tensors from read-only input, copies whose total is bounded by the body's size. 
 buffer (a rank that sent nothing) decodes to ``None``.
 
 **Two decoders, one result.** Each frame is first offered to a compiled decoder
-(``_wirec.c``; :func:`decode_many` hands it every frame at once, prefixes included), which
+(``_wirec.c``; :func:`decode_many` hands it every frame at once), which
 builds the common case (containers, numbers, strings, byte strings, arrays and tensors) about
 four times faster, and declines anything it does not build itself or that is not plainly
 valid (numpy scalars, any malformed or hostile prefix or header). A declined frame (for
@@ -90,7 +90,6 @@ import numpy.typing as npt
 import torch
 
 from evenflow.transports._wirec import configure as _configure_compiled
-from evenflow.transports._wirec import decode as _decode_compiled
 from evenflow.transports._wirec import decode_many as _decode_many_compiled
 from evenflow.transports.errors import EncodeError, WireFormatError
 
@@ -822,9 +821,9 @@ def _decode_frame(view: memoryview, max_frame_bytes: int, *, fast: bool = True) 
             f"({base + body_len} bytes with padding) but has {size} bytes."
         )
     if fast:
-        obj = _decode_compiled(view, header_len, base, body_len)
-        if obj is not NotImplemented:
-            return obj
+        decoded = _decode_many_compiled(view, [size], max_frame_bytes)
+        if decoded is not NotImplemented:
+            return decoded[0]
     # The checked path: every frame the compiled decoder declines, which includes every
     # invalid one, so that the error says exactly what is wrong.
     reader = _FrameReader(view, base, body_len)

@@ -1,12 +1,13 @@
 /*
  * The wire format's fast frame decoder: the common case of _wire._decode_frame, in C.
  *
- * decode() walks one frame's msgpack header and builds the object tree the Python decoder
- * would build (the same types, the same views of the frame), or answers NotImplemented as
- * soon as anything is not plainly valid: a dict key that is not a str, a timestamp or any
+ * decode_many() checks each frame's prefix as _decode_frame does, walks its msgpack header and
+ * builds the object tree the Python decoder would build (the same types, views of the same
+ * memory), or answers NotImplemented as soon as anything in any frame is not plainly valid:
+ * a prefix _decode_frame would refuse, a dict key that is not a str, a timestamp or any
  * other extension it does not build itself (numpy scalars), a tuple marker out of place, a
  * descriptor that does not claim the next buffer, bytes left over, nesting deeper than
- * MAX_DEPTH, invalid UTF-8, a failed allocation. The caller then decodes the frame again
+ * MAX_DEPTH, invalid UTF-8, a failed allocation. The caller then decodes frame by frame
  * with the checked Python path, which says exactly what is wrong (or, for the rare
  * extensions left to it, decodes it). So this file never has to phrase an error, and a
  * frame it accepts is one the Python path accepts with an equal result: tests hold the two
@@ -15,7 +16,7 @@
  * Every read of the header is bounds-checked against its end; a declared container length
  * is checked against the bytes left before anything is allocated (every element takes at
  * least one byte); the body is read only through descriptors that claim, in order, aligned
- * buffers inside it (the Python caller has checked the frame's length against its prefix).
+ * buffers inside it, after the frame's declared lengths were checked against its size.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -298,8 +299,7 @@ static PyObject *parse(reader_t *r, int depth) {
 /* The object of the frame at buf[origin:origin + size] (views are taken of `owner`, whose
  * buffer buf is), or NULL with no exception set when the frame is declined. */
 static PyObject *frame_at(PyObject *owner, const uint8_t *buf, Py_ssize_t origin,
-                          Py_ssize_t size, Py_ssize_t header_len, Py_ssize_t base,
-                          Py_ssize_t body_len) {
+                          Py_ssize_t header_len, Py_ssize_t base, Py_ssize_t body_len) {
     const uint8_t *frame = buf + origin;
     reader_t r = {frame + 20, frame + 20 + header_len, frame + base, (uint64_t)body_len, 0,
                   origin + base, owner};
@@ -309,35 +309,6 @@ static PyObject *frame_at(PyObject *owner, const uint8_t *buf, Py_ssize_t origin
         PyErr_Clear();
         return NULL;
     }
-    (void)size;
-    return result;
-}
-
-/* decode(frame, header_len, base, body_len) -> the object, or NotImplemented. */
-static PyObject *decode(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "decode(frame, header_len, base, body_len)");
-        return NULL;
-    }
-    if (!frombuffer) {
-        PyErr_SetString(PyExc_RuntimeError, "configure() must run first");
-        return NULL;
-    }
-    Py_ssize_t header_len = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t base = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t body_len = PyLong_AsSsize_t(args[3]);
-    if (PyErr_Occurred()) return NULL;
-    Py_buffer view;
-    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    PyObject *result = NULL;
-    if (header_len < 0 || base < 20 + header_len || body_len < 0 || base + body_len != view.len) {
-        PyErr_SetString(PyExc_ValueError, "frame lengths do not match the buffer");
-        goto done;
-    }
-    result = frame_at(args[0], (const uint8_t *)view.buf, 0, view.len, header_len, base, body_len);
-    if (!result) result = Py_NewRef(Py_NotImplemented);
-done:
-    PyBuffer_Release(&view);
     return result;
 }
 
@@ -383,8 +354,8 @@ static PyObject *decode_many(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (!header_len || body_len > (uint64_t)size || body_len % ALIGN ||
             base + body_len != (uint64_t)size || base + body_len > (uint64_t)limit)
             goto decline;
-        PyObject *item = frame_at(args[0], buf, position, size, header_len, (Py_ssize_t)base,
-                                  (Py_ssize_t)body_len);
+        PyObject *item =
+            frame_at(args[0], buf, position, header_len, (Py_ssize_t)base, (Py_ssize_t)body_len);
         if (!item) goto decline;
         PyList_SET_ITEM(out, i, item);
         position += size;
@@ -434,8 +405,6 @@ static PyObject *configure(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"decode", (PyCFunction)(void (*)(void))decode, METH_FASTCALL,
-     "decode(frame, header_len, base, body_len): the frame's object, or NotImplemented."},
     {"decode_many", (PyCFunction)(void (*)(void))decode_many, METH_FASTCALL,
      "decode_many(buffer, sizes, max_frame_bytes): every frame's object, or NotImplemented."},
     {"configure", configure, METH_VARARGS,

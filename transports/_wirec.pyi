@@ -2,7 +2,6 @@
 from collections.abc import Callable, Sequence
 from typing import Any
 
-def decode(frame: memoryview, header_len: int, base: int, body_len: int, /) -> Any: ...
 def decode_many(buffer: memoryview, sizes: list[int], max_frame_bytes: int, /) -> Any: ...
 def configure(
     specs: Sequence[tuple[int, int, Any, bool, bool]],
