@@ -163,7 +163,7 @@ def write_segments(
         for _, prepared in outgoing.get(target, ()):
             size = prepared.nbytes
             try:
-                prepared._builder.write(view[position : position + size])
+                prepared.write(view[position : position + size])
             except Exception as exc:
                 buffer[position : position + size] = 0
                 error = error or TransportError(

@@ -315,7 +315,7 @@ class _FrameBuilder:
     buffer goes. ``write`` then only copies.
     """
 
-    __slots__ = ("cursor", "head", "header", "pending", "size")
+    __slots__ = ("cursor", "head", "header_len", "pending", "size")
 
     def __init__(self, obj: Any) -> None:
         self.cursor = 0  # body bytes reserved so far, always a multiple of _ALIGN
@@ -323,17 +323,18 @@ class _FrameBuilder:
         # byte strings.
         self.pending: list[tuple[int, int, Any]] = []
         packer = msgpack.Packer(default=self.default, use_bin_type=True, strict_types=True)
-        self.header: bytes = packer.pack(_prepare(obj, 0))
-        header_end = _PREFIX.size + len(self.header)
+        header = packer.pack(_prepare(obj, 0))
+        self.header_len = len(header)
+        header_end = _PREFIX.size + self.header_len
         body_start = _align(header_end)
         self.size = body_start + self.cursor
-        if len(self.header) > _MAX_HEADER:
+        if self.header_len > _MAX_HEADER:
             self.head = b""  # _build refuses it; nothing is ever written
             return
         self.head = b"".join(
             (
-                _PREFIX.pack(_MAGIC, _VERSION, 0, 0, len(self.header), self.cursor),
-                self.header,
+                _PREFIX.pack(_MAGIC, _VERSION, 0, 0, self.header_len, self.cursor),
+                header,
                 _ZEROS[: body_start - header_end],
             )
         )
@@ -502,9 +503,9 @@ def _build(obj: Any, path: str) -> _FrameBuilder:
     except (ValueError, TypeError, OverflowError) as exc:  # msgpack's own refusals
         where, reason = _locate(obj, path) or (path, f"msgpack refused it ({exc})")
         raise EncodeError(f"{where}: {reason}.") from exc
-    if len(builder.header) > _MAX_HEADER:
+    if builder.header_len > _MAX_HEADER:
         raise EncodeError(
-            f"{path}: the encoded header has {len(builder.header)} bytes, over the limit of "
+            f"{path}: the encoded header has {builder.header_len} bytes, over the limit of "
             f"{_MAX_HEADER}; send bulk text or numbers as arrays."
         )
     return builder
