@@ -227,7 +227,6 @@ static int assign_labels(Py_ssize_t g, Py_ssize_t m, const int64_t *row, const i
     return status;
 }
 
-
 typedef struct {
     Py_ssize_t n, per;
     int64_t seq_len;
@@ -275,8 +274,7 @@ static int indexed_order(const void *pa, const void *pb) {
    Samples that moved during the pass are re-checked before use (an entry whose sample left
    h is skipped), so the index only ever hides candidates until the next pass. */
 static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const indexed_t *by_cost,
-                            indexed_t *index,
-                            int64_t *rank_start, Py_ssize_t ranks) {
+                            indexed_t *index, int64_t *rank_start, Py_ssize_t ranks) {
     Py_ssize_t per = s->per, changes = 0;
     int64_t seq_len = s->seq_len;
     for (Py_ssize_t r = 0; r <= ranks; r++) rank_start[r] = 0;
@@ -355,8 +353,8 @@ static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const inde
  * (flat, sizes) is the layout to settle; the settled one goes to (out_flat, out_sizes),
  * each bin's samples in their order (a sample brought home joins the end of its bin).
  * limit < 0 skips homecoming (relabelling only); thorough (optional, default false) runs
- * THOROUGH_PASSES passes of THOROUGH_SCAN swap partners. order lists the samples by (cost, index)
- * ascending, what homecoming's cost index is built from; an empty order has it sorted here
+ * THOROUGH_PASSES passes of THOROUGH_SCAN swap partners. order lists the samples by (cost,
+ * index) ascending, what homecoming's cost index is built from; an empty order has it sorted here
  * (a caller settling several layouts of one step sorts once).
  */
 PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
