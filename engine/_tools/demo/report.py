@@ -372,8 +372,7 @@ def format_report(report: dict[str, Any]) -> str:
         + "; the same steps from the same weights, one step of each arm in turn"
         + (
             f"; the loaders' threads run at lower priority (thread_nice={c['thread_nice']}), so "
-            "the training step "
-            "gets the cores first"
+            "the training step gets the cores first"
             if c.get("thread_nice")
             else ""
         ),
