@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from test_algorithms import FAST, assert_valid_layout, make_problem, problems
 
 from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.lpt import lpt_layout
 from evenflow.engine._planning.objectives import makespan
 from evenflow.engine._planning.planner import Planner
@@ -238,3 +239,58 @@ def test_the_thorough_settle_brings_home_what_eight_swap_partners_miss() -> None
         plain_moved += _moved(problem, *plain)
         thorough_moved += _moved(problem, *again)
     assert thorough_moved < plain_moved
+
+
+def test_the_thorough_settle_ejects_an_away_sample_to_bring_one_home() -> None:
+    # Costs equal tokens, seq_len 20, makespan 9. Sample s (3) is on rank 1 but was read by
+    # rank 0, which is at the makespan with t (5), itself away from rank 2. Neither can go
+    # home directly (rank 0 and rank 2 would exceed 9) and no swap fits (t is too costly for
+    # rank 1). Ejecting t to the light rank 3 lets s come home at the same makespan.
+    tokens = [[3, 4], [5], [5, 9], [2]]  # source: s, a | b | t, c | d
+    problem = make_problem(tokens, num_ranks=4, seq_len=20, costs=[3, 4, 5, 5, 9, 2])
+    s, a, b, t, c, d = range(6)
+    flat = np.array([t, a, s, b, c, d], dtype=np.int64)
+    sizes = np.array([2, 2, 1, 1], dtype=np.int64)
+    score = _score(problem)
+    plain = settle(problem, flat, sizes, _home(problem), score=score)
+    again = settle(problem, flat, sizes, _home(problem), score=score, thorough=True)
+    assert _moved(problem, *plain) == 2
+    assert _moved(problem, *again) == 1
+    assert score(*again) == score(*plain) == 9.0
+    bins = FlatLayout(*again).bins
+    assert_valid_layout(problem, bins)
+    assert sorted(bins[0]) == [s, a] and sorted(bins[3]) == [t, d]
+
+
+def test_the_second_leg_from_the_source_moves_less_on_long_context_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Long-context ranks hold ~16 samples, so the search from the source gets a budget sized
+    # to its work (``_stay_budget``) for a second leg; without it, the same plans move more
+    # samples over these steps (4 of 8 move fewer with it), and with it no plan scores higher.
+    from evenflow.engine._planning import refine
+
+    def plans() -> list[tuple[float, int]]:
+        out = []
+        for step in range(8):
+            samples, bins = make_step(
+                "longctx",
+                "firstfit",
+                num_ranks=8,
+                bins_per_rank=4,
+                seq_len=131072,
+                seed=0,
+                step=step,
+            )
+            planner = Planner(
+                num_ranks=8, bins_per_rank=4, seq_len=131072, cost_model=QuadraticCost(4096.0)
+            )
+            plan = planner.plan(samples, bins, step)
+            out.append((max(plan.rank_costs), plan.num_moved))
+        return out
+
+    with_leg = plans()
+    monkeypatch.setattr(refine, "_STAY_WORK", 0)
+    without = plans()
+    assert all(m <= m0 for (m, _), (m0, _) in zip(with_leg, without, strict=True))
+    assert sum(k for _, k in with_leg) < sum(k for _, k in without)

@@ -28,7 +28,7 @@
 
 #include "_vec.h"
 
-#define CORE_VERSION 4
+#define CORE_VERSION 5
 
 typedef struct {
     int64_t *ids;

@@ -24,6 +24,11 @@
  *    capacity and both ranks stay at or below `limit`. Each change lowers the number of
  *    moved samples, so the passes end; at most HOME_PASSES of them run (THOROUGH_PASSES, and
  *    THOROUGH_SCAN swap partners a sample, when the caller asks for a thorough settle).
+ * 4. Ejection (thorough settles only), after those passes and under the peak they left: a
+ *    sample that neither fits at h nor swaps goes home when an away sample of h can make
+ *    room by moving on to its own source rank or to one of the EJECT_RANKS least loaded
+ *    ranks (home_eject). Moved samples fall by one or two each time; the peak never rises,
+ *    so a thorough settle keeps every makespan a plain one reaches and only moves less.
  *
  * All of it is a pure function of the arrays: ties go to the lowest index everywhere.
  */
@@ -48,6 +53,11 @@
    the chosen makespan is exactly what it was with the cheaper one alone. */
 #define THOROUGH_PASSES 8
 #define THOROUGH_SCAN 64
+/* Ranks offered an ejected sample in a thorough settle, after its own home (home_eject). */
+#define EJECT_RANKS 8
+#define EJECT_SCAN 8
+#define EJECT_PASSES 4
+#define EJECT_MARGIN 1e-11
 
 typedef struct {
     int64_t w, row, col;
@@ -267,6 +277,85 @@ static int indexed_order(const void *pa, const void *pb) {
     return (a->id > b->id) - (a->id < b->id);
 }
 
+/* The nlight least loaded ranks, lightest first (ties: lowest index), into light. */
+static void light_ranks(const double *load, Py_ssize_t ranks, int64_t *light, Py_ssize_t nlight) {
+    Py_ssize_t m = 0;
+    for (Py_ssize_t r = 0; r < ranks; r++) {
+        if (m == nlight && load[r] >= load[light[m - 1]]) continue;
+        Py_ssize_t k = m < nlight ? m++ : m - 1;
+        while (k > 0 && load[light[k - 1]] > load[r]) {
+            light[k] = light[k - 1];
+            k--;
+        }
+        light[k] = r;
+    }
+}
+
+/* A rank to take the away sample j of rank h, so that the sample i of bin x (rank p) can go
+   home to h: j's own home rank first (then both come home), else the least loaded ranks of
+   `light` (loads ascending when the pass began; re-checked here). Only ranks that stay at or
+   below `limit` with a bin that has room for j qualify; p counts i as gone. The bin, or -1. */
+static int64_t eject_target(const home_t *s, int64_t j, int64_t h, int64_t p, int64_t x,
+                            int64_t i, double limit, const int64_t *light, Py_ssize_t nlight) {
+    Py_ssize_t per = s->per;
+    int64_t tj = s->tok[j], hj = s->home_rank[j];
+    for (Py_ssize_t k = -1; k < nlight; k++) {
+        int64_t g = k < 0 ? hj : light[k];
+        if (g == h || (k >= 0 && g == hj)) continue;
+        double load = s->load[g] + s->cost[j] - (g == p ? s->cost[i] : 0.0);
+        if (load > limit) continue;
+        int64_t best = -1, best_tok = -1;
+        for (int64_t b = g * per; b < (g + 1) * per; b++) {
+            int64_t used = s->bin_tok[b] - (b == x ? s->tok[i] : 0);
+            if (used + tj > s->seq_len) continue;
+            if (b == s->home[j]) return b;
+            if (used > best_tok) best = b, best_tok = used;
+        }
+        if (best >= 0) return best;
+    }
+    return -1;
+}
+
+/* The ejection of the thorough settle, after a swap found nothing: sample i (bin x of rank
+   p) goes home to h and an away sample j of h makes room, moving on to its own home or to
+   a light rank (eject_target). Moved samples fall by one, or by two when j goes home.
+   Partners are scanned from the cheapest that keeps h at or below `limit`. 1 when done,
+   0 when nothing fits, -1 on no memory. */
+static int home_eject(home_t *s, int64_t i, double limit, Py_ssize_t scan, const indexed_t *index,
+                      const int64_t *rank_start, const int64_t *light, Py_ssize_t nlight) {
+    int64_t x = s->bin_of[i], p = s->rank_of[i], h = s->home_rank[i], ti = s->tok[i];
+    int64_t seq_len = s->seq_len;
+    Py_ssize_t per = s->per;
+    double lo = s->cost[i] - (limit - s->load[h]);
+    Py_ssize_t a = rank_start[h], z = rank_start[h + 1];
+    while (a < z) {
+        Py_ssize_t mid = a + (z - a) / 2;
+        if (index[mid].cost < lo) a = mid + 1;
+        else z = mid;
+    }
+    Py_ssize_t last = a + scan < rank_start[h + 1] ? a + scan : rank_start[h + 1];
+    for (Py_ssize_t k = a; k < last; k++) {
+        int64_t j = index[k].id;
+        if (s->rank_of[j] != h || s->home_rank[j] == h || s->tok[j] > seq_len) continue;
+        if (s->load[h] - s->cost[j] + s->cost[i] > limit) continue;
+        int64_t yb = s->bin_of[j], y = -1;
+        if (s->bin_tok[yb] - s->tok[j] + ti <= seq_len) {
+            y = yb;
+        } else if (s->members[yb].n >= 2) {
+            for (int64_t b = h * per; b < (h + 1) * per; b++) {
+                if (b != yb && s->bin_tok[b] + ti <= seq_len && (y < 0 || s->bin_tok[b] > s->bin_tok[y]))
+                    y = b;
+            }
+        }
+        if (y < 0) continue;
+        int64_t dst = eject_target(s, j, h, p, x, i, limit, light, nlight);
+        if (dst < 0) continue;
+        if (home_relocate(s, j, dst) < 0 || home_relocate(s, i, y) < 0) return -1;
+        return 1;
+    }
+    return 0;
+}
+
 /* One homecoming pass (see the file comment); the number of changes, or -1 on no memory.
    A swap partner's cost must lie in [ci - slack of h, ci + slack of p]: it is found by
    binary search in h's part of a cost index, rebuilt when the pass starts from the global
@@ -274,7 +363,8 @@ static int indexed_order(const void *pa, const void *pb) {
    Samples that moved during the pass are re-checked before use (an entry whose sample left
    h is skipped), so the index only ever hides candidates until the next pass. */
 static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const indexed_t *by_cost,
-                            indexed_t *index, int64_t *rank_start, Py_ssize_t ranks) {
+                            indexed_t *index, int64_t *rank_start, Py_ssize_t ranks,
+                            int64_t *light, Py_ssize_t nlight, Py_ssize_t eject_scan) {
     Py_ssize_t per = s->per, changes = 0;
     int64_t seq_len = s->seq_len;
     for (Py_ssize_t r = 0; r <= ranks; r++) rank_start[r] = 0;
@@ -286,6 +376,7 @@ static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const inde
     }
     for (Py_ssize_t r = ranks; r > 0; r--) rank_start[r] = rank_start[r - 1];
     rank_start[0] = 0;
+    if (nlight > 0) light_ranks(s->load, ranks, light, nlight);
     for (Py_ssize_t i = 0; i < s->n; i++) {
         int64_t x = s->bin_of[i], p = s->rank_of[i], hb = s->home[i], h = s->home_rank[i];
         int64_t ti = s->tok[i];
@@ -338,9 +429,17 @@ static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const inde
             int64_t yb = s->bin_of[best];
             if (home_relocate(s, i, yb) < 0 || home_relocate(s, best, x) < 0) return -1;
             changes++;
-        } else {
-            s->tried[i] = s->version[p] + s->version[h];
+            continue;
         }
+        if (nlight > 0 && s->members[x].n >= 2) {
+            int done = home_eject(s, i, limit, eject_scan, index, rank_start, light, nlight);
+            if (done < 0) return -1;
+            if (done) {
+                changes++;
+                continue;
+            }
+        }
+        s->tried[i] = s->version[p] + s->version[h];
     }
     return changes;
 }
@@ -533,20 +632,36 @@ PyObject *evenflow_settle(PyObject *Py_UNUSED(self), PyObject *args) {
             }
             qsort(by_cost, (size_t)n, sizeof(indexed_t), indexed_order);
         }
+        Py_ssize_t nlight = thorough ? (ranks < EJECT_RANKS ? ranks : EJECT_RANKS) : 0;
+        int64_t *light = malloc(sizeof(int64_t) * (size_t)(nlight > 0 ? nlight : 1));
         int passes = thorough ? THOROUGH_PASSES : HOME_PASSES;
         Py_ssize_t scan = thorough ? THOROUGH_SCAN : SWAP_SCAN;
-        for (int pass = 0; pass < passes; pass++) {
-            Py_ssize_t done_now = index && by_cost && rank_start && version && tried
-                                      ? home_pass(&s, limit, scan, by_cost, index, rank_start,
-                                                  ranks)
-                                      : -1;
-            if (done_now < 0) {
-                failed = 1;
-                break;
-            }
-            changes += done_now;
+        int ready = index && by_cost && rank_start && version && tried && light;
+        failed = !ready;
+        for (int pass = 0; pass < passes && !failed; pass++) {
+            Py_ssize_t done_now =
+                home_pass(&s, limit, scan, by_cost, index, rank_start, ranks, NULL, 0, 0);
+            failed = done_now < 0;
+            changes += done_now > 0 ? done_now : 0;
             if (done_now == 0) break;
         }
+        if (nlight > 0 && !failed) {
+            /* Ejections, once the passes above are done, under the makespan they reached:
+               they only lower movement, never raise the peak those passes left. */
+            double peak = 0.0;
+            for (Py_ssize_t r = 0; r < ranks; r++) peak = load[r] > peak ? load[r] : peak;
+            double cap = peak - EJECT_MARGIN * peak;
+            cap = cap < limit ? cap : limit;
+            for (Py_ssize_t i = 0; i < n; i++) tried[i] = -1;
+            for (int pass = 0; pass < EJECT_PASSES && !failed; pass++) {
+                Py_ssize_t done_now = home_pass(&s, cap, SWAP_SCAN, by_cost, index, rank_start,
+                                                ranks, light, nlight, EJECT_SCAN);
+                failed = done_now < 0;
+                changes += done_now > 0 ? done_now : 0;
+                if (done_now == 0) break;
+            }
+        }
+        free(light);
         free(index);
         free(by_cost);
         free(rank_start);

@@ -36,9 +36,11 @@ never dead-ends and is never worse than either of them:
    samples sent home where the makespan allows: ``settle.py``), with LPT too when it is
    within 0.1% (settling can lower a makespan). Under the makespan objective the search is
    also run from the source layout, stopping as soon as it is as good as the best; among
-   equal scores the layout that moves fewest samples wins: LPT, dealt and differenced bins
-   start from scratch and move nearly every sample, a search from the source only what
-   balance needs.
+   equal scores the layout that moves fewest samples wins and is settled again, thoroughly:
+   LPT, dealt and differenced bins start from scratch and move nearly every sample, a search
+   from the source only what balance needs. Where ranks hold few samples, a second search
+   from the source, with more attempts, aims at that final score and replaces the layout
+   when it moves fewer samples.
 
 Under the ``lockstep`` objective the same algorithm runs the method of ``lockstep.py``: it
 balances the step as ``R·B`` one-bin ranks with the steps above, deals the bins into positions
@@ -114,6 +116,16 @@ _POLISH_ROUNDS = 2
 _CLOSE = 1.001
 _STAY_ATTEMPTS = 24
 _STAY_SAMPLES_PER_ATTEMPT = 64
+# The second search from the source (``_finish``) runs where ranks hold at most _STAY_FEW
+# samples on average (long documents: ~16 a rank on the benchmark's longctx steps, ~88 on its
+# sft ones), with _STAY_WORK attempts-times-samples-per-rank: an attempt's work grows with the
+# samples of the ranks it examines, so this is about the work of the first search on an sft
+# step at 8 x 4 (35 attempts), ~190 attempts on longctx. There the first search often stops
+# short of the best score (its 25 attempts end in a stalled layout) and the second brings the
+# median moved fraction of longctx 8 x 4 steps from 0.50 to 0.45 (firstfit); past ~200
+# attempts nothing changed.
+_STAY_FEW = 48
+_STAY_WORK = 3072
 # The search from the source alternates with the second phase once.
 _STAY_ROUNDS = 1
 
@@ -128,7 +140,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v6"
+    algorithm_id = "refine-v7"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -177,18 +189,19 @@ class RefineAlgorithm:
             # Settling may lower a layout's makespan (a sample sent home can leave the most
             # loaded rank), so LPT settled could end below the best one settled.
             finalists.append(lpt)
-        return self._finish(problem, starts[0], finalists, budget)
+        return self._finish(problem, starts[0], finalists)
 
     def _finish(
         self,
         problem: BalanceProblem,
         source: FlatLayout,
         finalists: list[FlatLayout],
-        budget: int,
     ) -> FlatLayout:
         """The finalists settled (``settle.py``), plus, under the makespan objective, a
         search from the source that stops once it is as good as the best of them: the best
-        score wins, and among equal scores the layout that moves fewest samples.
+        score wins, and among equal scores the layout that moves fewest samples. Where ranks
+        hold few samples, a second search from the source then aims at the chosen layout's
+        final score with more attempts (``_stay_budget``).
 
         Searching from the source changes only what balance needs, whereas LPT and dealt
         bins start from scratch and move nearly every sample.
@@ -212,9 +225,8 @@ class RefineAlgorithm:
             chosen = layouts[scores.index(best)]
             rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
             target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
-            stay_budget = _STAY_ATTEMPTS + n // _STAY_SAMPLES_PER_ATTEMPT
             stay, stay_rank_of = self._refine(
-                problem, source, stay_budget, stop_at=target, rounds=_STAY_ROUNDS
+                problem, source, _stay_first(n), stop_at=target, rounds=_STAY_ROUNDS
             )
             if _score_of(problem, stay_rank_of) <= best and _budgets_hold(problem, stay):
                 settled = FlatLayout(
@@ -225,22 +237,40 @@ class RefineAlgorithm:
                 scores.insert(0, score(settled.flat, settled.sizes))
                 best = min(scores)
         home_rank = home // problem.bins_per_rank
+
+        def moved(flat: np.ndarray, sizes: np.ndarray) -> int:
+            return int(np.count_nonzero(problem._rank_of_flat(flat, sizes) != home_rank))
+
         pick, fewest = 0, -1
         for k, lay in enumerate(layouts):
             if scores[k] > best:
                 continue
-            moved = int(np.count_nonzero(problem._rank_of_flat(lay.flat, lay.sizes) != home_rank))
-            if fewest < 0 or moved < fewest:
-                pick, fewest = k, moved
+            count = moved(lay.flat, lay.sizes)
+            if fewest < 0 or count < fewest:
+                pick, fewest = k, count
         # The winner, settled again with a wider homecoming: every rank stays at or below its
         # makespan, so the choice above and its score stand, and only movement can fall.
         chosen = layouts[pick]
-        return FlatLayout(
-            *settle(
-                problem, chosen.flat, chosen.sizes, home, score=score, order=order, thorough=True
-            ),
-            settled=True,
+        final = settle(
+            problem, chosen.flat, chosen.sizes, home, score=score, order=order, thorough=True
         )
+        wider = _stay_budget(problem)
+        if problem.objective is not makespan or n > _STAY_MAX_SAMPLES or wider <= _stay_first(n):
+            return FlatLayout(*final, settled=True)
+        # Ranks with few samples (long documents): the search above often stops short of the
+        # best score within its attempts. A second one from the source, with attempts sized
+        # to the step's work, aims at the final layout's score; settled the same way, it
+        # replaces that layout when it scores no higher and moves fewer samples.
+        target = score(*final)
+        stay, stay_rank_of = self._refine(
+            problem, source, wider, stop_at=target, rounds=_STAY_ROUNDS
+        )
+        if _score_of(problem, stay_rank_of) <= target and _budgets_hold(problem, stay):
+            cheap = settle(problem, stay.flat, stay.sizes, home, score=score, order=order)
+            again = settle(problem, *cheap, home, score=score, order=order, thorough=True)
+            if score(*again) <= target and moved(*again) < moved(*final):
+                final = again
+        return FlatLayout(*final, settled=True)
 
     def _refine(
         self,
@@ -315,6 +345,19 @@ def _default_budget(problem: BalanceProblem) -> int:
         return 256  # tiny problems: search to convergence
     attempts = problem.num_samples // _SAMPLES_PER_ATTEMPT
     return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
+
+
+def _stay_first(num_samples: int) -> int:
+    """Attempts of the search from the source: ``_STAY_ATTEMPTS`` plus one per
+    ``_STAY_SAMPLES_PER_ATTEMPT`` samples."""
+    return _STAY_ATTEMPTS + num_samples // _STAY_SAMPLES_PER_ATTEMPT
+
+
+def _stay_budget(problem: BalanceProblem) -> int:
+    """Attempts of the second search from the source (``_STAY_WORK`` over the samples per
+    rank), or 0 where ranks hold more than ``_STAY_FEW`` samples and it does not run."""
+    per_rank = max(1, problem.num_samples // max(1, problem.num_ranks))
+    return _STAY_WORK // per_rank if per_rank <= _STAY_FEW else 0
 
 
 def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:

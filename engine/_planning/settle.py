@@ -63,7 +63,8 @@ def settle(
     movement weights (default one each). ``order``: the samples by (cost, index), from
     :func:`~evenflow.engine._planning.native.cost_order`, when settling several layouts of
     one step (else sorted here). ``thorough``: eight homecoming passes of 64 swap partners a
-    sample instead of four of eight, for a plan's final layout (``refine.py``).
+    sample instead of four of eight, then ejections (an away sample makes room for one to
+    come home by moving on; ``_settle.c``), for a plan's final layout (``refine.py``).
     """
     n = problem.num_samples
     w = np.ones(n, dtype=np.int64) if weights is None else np.ascontiguousarray(weights, np.int64)
