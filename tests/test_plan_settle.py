@@ -294,3 +294,35 @@ def test_the_second_leg_from_the_source_moves_less_on_long_context_steps(
     without = plans()
     assert all(m <= m0 for (m, _), (m0, _) in zip(with_leg, without, strict=True))
     assert sum(k for _, k in with_leg) < sum(k for _, k in without)
+
+
+def test_ranks_with_few_samples_get_an_attempt_per_two_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Long-context steps at 128 ranks x 2 bins hold ~8 samples a rank, so one attempt per 120
+    # samples gives the search 8 attempts for 128 ranks; one per two ranks (64) lowers the
+    # makespan of every one of these steps.
+    from evenflow.engine._planning import refine
+
+    def makespans() -> list[float]:
+        out = []
+        for step in range(3):
+            samples, bins = make_step(
+                "longctx",
+                "firstfit",
+                num_ranks=128,
+                bins_per_rank=2,
+                seq_len=131072,
+                seed=0,
+                step=step,
+            )
+            planner = Planner(
+                num_ranks=128, bins_per_rank=2, seq_len=131072, cost_model=QuadraticCost(0.0)
+            )
+            out.append(max(planner.plan(samples, bins, step).rank_costs))
+        return out
+
+    by_ranks = makespans()
+    monkeypatch.setattr(refine, "_RANKS_PER_ATTEMPT", 10**9)
+    by_samples = makespans()
+    assert all(m < m0 for m, m0 in zip(by_ranks, by_samples, strict=True))
