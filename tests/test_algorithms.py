@@ -473,6 +473,27 @@ def test_refine_budget_grows_with_the_step_within_its_bounds() -> None:
     assert 6 <= small < mid < large <= 512
 
 
+def test_refine_budget_counts_ranks_where_they_hold_few_samples() -> None:
+    from evenflow.engine._planning.refine import _default_budget
+
+    # 256 ranks of 2 bins with 4 samples a rank: 8 attempts by samples, 128 by ranks.
+    problem = make_problem([[1, 1]] * 512, num_ranks=256, seq_len=10)
+    assert _default_budget(problem) == 128
+
+
+def test_the_first_phase_exchanges_with_ranks_past_the_four_lightest() -> None:
+    # Rank 0 (7 + 3 tokens, cost 58) can improve only by trading its 7 for the run 3 + 4 of
+    # rank 5, the fifth lightest (27); the four lightest are full of 2s, where no move, swap
+    # or run fits (their runs hold even token totals, and 7 or 3 would need exactly 7 or 3).
+    full = [2, 2, 2, 2, 2]
+    problem = make_problem([[7, 3], full, full, full, full, [4, 3, 1, 1]], num_ranks=6, seq_len=10)
+    layout, rank_of = search(problem, FlatLayout(*_flatten(problem.source_bins)), 16)
+    assert_valid_layout(problem, layout.bins)
+    loads = np.bincount(rank_of, weights=problem.costs, minlength=6)
+    assert loads.max() == 51.0  # 3 + 3 + 4 on rank 0 (34), 7 + 1 + 1 on rank 5 (51)
+    assert sorted(problem.tokens[i] for i in layout.bins[0]) == [3, 3, 4]
+
+
 def test_lpt_sentinels_report_a_dead_end_when_every_rank_is_full() -> None:
     # Two ranks, one bin each: the two expensive 5s open both bins, then the 6 fits neither,
     # so every rank is parked and the run ends (the source 5+5 | 6+4 is feasible).

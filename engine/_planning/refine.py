@@ -21,9 +21,11 @@ never dead-ends and is never worse than either of them:
    costs are convex in length: one long sample for several short ones of the same length is
    a cost reduction at equal tokens); last, a move made possible by first shifting one of
    the partner's samples to another of its bins (costly, and it rarely succeeds, so it waits
-   until the others fail; not tried under packing budgets). Every candidate is checked
-   against ``seq_len``, the packing budgets, the oversized rule (an oversized sample stays
-   alone) and non-empty bins.
+   until the others fail; not tried under packing budgets). The families look at the 4
+   lightest ranks; before giving up on ``a``, moves and run exchanges look at the next 32
+   (at 256 ranks the partner with a fitting run is often past the fourth). Every candidate
+   is checked against ``seq_len``, the packing budgets, the oversized rule (an oversized
+   sample stays alone) and non-empty bins.
 3. **Final choice**: the best of the searched layout, the source and LPT under the problem's
    own objective (``problem.score``), so the result is never worse than either even when the
    objective is not what the search optimises (``balance``, or a component cost model whose

@@ -482,10 +482,12 @@ class OracleSearch:
             if found is not None:
                 return found()
         if order.size > NEAR_TARGETS:
-            # Before giving up on ``a``: the cheap family against a wider set of ranks.
-            found = self._cheap(a, heavy, order[NEAR_TARGETS:], tol)
-            if found is not None:
-                return found()
+            # Before giving up on ``a``: the cheap family, then exchanges, against a wider set.
+            wide = order[NEAR_TARGETS:]
+            for family in (self._cheap, self._exchange):
+                found = family(a, heavy, wide, tol)
+                if found is not None:
+                    return found()
         return -1
 
     def _rank_samples(self, r: int) -> np.ndarray:
