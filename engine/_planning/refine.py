@@ -133,6 +133,15 @@ _STAY_SAMPLES_PER_ATTEMPT = 64
 # attempts nothing changed.
 _STAY_FEW = 48
 _STAY_WORK = 3072
+# The first search from the source gets one attempt more per two ranks (each attempt works
+# one rank: at 64 x 4, sft first-fit steps then reach the best score more often, median
+# moved 0.58 -> 0.48), and when it stops within _STAY_CLOSE of that score it goes on from
+# where it stopped for _STAY_MORE of its attempts again (sft first-fit 8 x 4: median moved
+# 0.51 -> 0.36, at +0.3 ms p99 planning time; going on within 1% or for all the attempts
+# again moved less still but cost ~1 ms more at p99).
+_STAY_RANKS_PER_ATTEMPT = 2
+_STAY_CLOSE = 0.003
+_STAY_MORE = 0.5
 # The search from the source alternates with the second phase once.
 _STAY_ROUNDS = 1
 
@@ -147,7 +156,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v7"
+    algorithm_id = "refine-v8"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -233,8 +242,21 @@ class RefineAlgorithm:
             rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
             target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
             stay, stay_rank_of = self._refine(
-                problem, source, _stay_first(n), stop_at=target, rounds=_STAY_ROUNDS
+                problem,
+                source,
+                _stay_first(n, problem.num_ranks),
+                stop_at=target,
+                rounds=_STAY_ROUNDS,
             )
+            reached = _score_of(problem, stay_rank_of)
+            if best < reached <= best * (1.0 + _STAY_CLOSE):  # a near miss: go on
+                stay, stay_rank_of = self._refine(
+                    problem,
+                    stay,
+                    int(_stay_first(n, problem.num_ranks) * _STAY_MORE),
+                    stop_at=target,
+                    rounds=_STAY_ROUNDS,
+                )
             if _score_of(problem, stay_rank_of) <= best and _budgets_hold(problem, stay):
                 settled = FlatLayout(
                     *settle(problem, stay.flat, stay.sizes, home, score=score, order=order),
@@ -262,7 +284,11 @@ class RefineAlgorithm:
             problem, chosen.flat, chosen.sizes, home, score=score, order=order, thorough=True
         )
         wider = _stay_budget(problem)
-        if problem.objective is not makespan or n > _STAY_MAX_SAMPLES or wider <= _stay_first(n):
+        if (
+            problem.objective is not makespan
+            or n > _STAY_MAX_SAMPLES
+            or wider <= _stay_first(n, problem.num_ranks)
+        ):
             return FlatLayout(*final, settled=True)
         # Ranks with few samples (long documents): the search above often stops short of the
         # best score within its attempts. A second one from the source, with attempts sized
@@ -357,10 +383,14 @@ def _default_budget(problem: BalanceProblem) -> int:
     return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
 
 
-def _stay_first(num_samples: int) -> int:
+def _stay_first(num_samples: int, num_ranks: int = 0) -> int:
     """Attempts of the search from the source: ``_STAY_ATTEMPTS`` plus one per
-    ``_STAY_SAMPLES_PER_ATTEMPT`` samples."""
-    return _STAY_ATTEMPTS + num_samples // _STAY_SAMPLES_PER_ATTEMPT
+    ``_STAY_SAMPLES_PER_ATTEMPT`` samples and one per ``_STAY_RANKS_PER_ATTEMPT`` ranks."""
+    return (
+        _STAY_ATTEMPTS
+        + num_samples // _STAY_SAMPLES_PER_ATTEMPT
+        + num_ranks // _STAY_RANKS_PER_ATTEMPT
+    )
 
 
 def _stay_budget(problem: BalanceProblem) -> int:
