@@ -28,7 +28,7 @@
 
 #include "_vec.h"
 
-#define CORE_VERSION 6
+#define CORE_VERSION 7
 
 typedef struct {
     int64_t *ids;
