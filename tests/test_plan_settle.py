@@ -11,13 +11,14 @@ from hypothesis import strategies as st
 from test_algorithms import FAST, assert_valid_layout, make_problem, problems
 
 from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine._planning import refine
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.lpt import lpt_layout
 from evenflow.engine._planning.objectives import makespan
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine._planning.problem import BalanceProblem, FlatLayout, _flatten
 from evenflow.engine._planning.settle import home_bins, settle
-from evenflow.engine.workloads import make_step
+from evenflow.engine.workloads import DISTRIBUTIONS, make_step
 
 
 def _source(problem: BalanceProblem) -> tuple[np.ndarray, np.ndarray]:
@@ -262,38 +263,47 @@ def test_the_thorough_settle_ejects_an_away_sample_to_bring_one_home() -> None:
     assert sorted(bins[0]) == [s, a] and sorted(bins[3]) == [t, d]
 
 
-def test_the_second_leg_from_the_source_moves_less_on_long_context_steps(
+def _planned(
+    distribution: str, num_ranks: int, bins_per_rank: int, linear: float, steps: int
+) -> list[tuple[float, int]]:
+    """(makespan, samples moved) of the default plans of benchmark steps 0..steps-1."""
+    seq_len = DISTRIBUTIONS[distribution].default_seq_len
+    out = []
+    for step in range(steps):
+        samples, bins = make_step(
+            distribution,
+            "firstfit",
+            num_ranks=num_ranks,
+            bins_per_rank=bins_per_rank,
+            seq_len=seq_len,
+            seed=0,
+            step=step,
+        )
+        planner = Planner(
+            num_ranks=num_ranks,
+            bins_per_rank=bins_per_rank,
+            seq_len=seq_len,
+            cost_model=QuadraticCost(linear),
+        )
+        plan = planner.plan(samples, bins, step)
+        out.append((max(plan.rank_costs), plan.num_moved))
+    return out
+
+
+def _no_higher_and_fewer_moved(new: list[tuple[float, int]], old: list[tuple[float, int]]) -> None:
+    assert all(m <= m0 for (m, _), (m0, _) in zip(new, old, strict=True))
+    assert sum(k for _, k in new) < sum(k for _, k in old)
+
+
+def test_the_second_search_from_the_source_moves_less_on_long_context_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Long-context ranks hold ~16 samples, so the search from the source gets a budget sized
-    # to its work (``_stay_budget``) for a second leg; without it, the same plans move more
-    # samples over these steps (4 of 8 move fewer with it), and with it no plan scores higher.
-    from evenflow.engine._planning import refine
-
-    def plans() -> list[tuple[float, int]]:
-        out = []
-        for step in range(8):
-            samples, bins = make_step(
-                "longctx",
-                "firstfit",
-                num_ranks=8,
-                bins_per_rank=4,
-                seq_len=131072,
-                seed=0,
-                step=step,
-            )
-            planner = Planner(
-                num_ranks=8, bins_per_rank=4, seq_len=131072, cost_model=QuadraticCost(4096.0)
-            )
-            plan = planner.plan(samples, bins, step)
-            out.append((max(plan.rank_costs), plan.num_moved))
-        return out
-
-    with_leg = plans()
+    # Long-context ranks hold ~16 samples, so a second search from the source gets a budget
+    # sized to its work (``_stay_budget``); without it the same plans move more samples over
+    # these steps (4 of 8 move fewer with it), and with it no plan scores higher.
+    with_it = _planned("longctx", 8, 4, 4096.0, steps=8)
     monkeypatch.setattr(refine, "_STAY_WORK", 0)
-    without = plans()
-    assert all(m <= m0 for (m, _), (m0, _) in zip(with_leg, without, strict=True))
-    assert sum(k for _, k in with_leg) < sum(k for _, k in without)
+    _no_higher_and_fewer_moved(with_it, _planned("longctx", 8, 4, 4096.0, steps=8))
 
 
 def test_ranks_with_few_samples_get_an_attempt_per_two_ranks(
@@ -302,30 +312,10 @@ def test_ranks_with_few_samples_get_an_attempt_per_two_ranks(
     # Long-context steps at 128 ranks x 2 bins hold ~8 samples a rank, so one attempt per 120
     # samples gives the search 8 attempts for 128 ranks; one per two ranks (64) lowers the
     # makespan of every one of these steps.
-    from evenflow.engine._planning import refine
-
-    def makespans() -> list[float]:
-        out = []
-        for step in range(3):
-            samples, bins = make_step(
-                "longctx",
-                "firstfit",
-                num_ranks=128,
-                bins_per_rank=2,
-                seq_len=131072,
-                seed=0,
-                step=step,
-            )
-            planner = Planner(
-                num_ranks=128, bins_per_rank=2, seq_len=131072, cost_model=QuadraticCost(0.0)
-            )
-            out.append(max(planner.plan(samples, bins, step).rank_costs))
-        return out
-
-    by_ranks = makespans()
+    by_ranks = _planned("longctx", 128, 2, 0.0, steps=3)
     monkeypatch.setattr(refine, "_RANKS_PER_ATTEMPT", 10**9)
-    by_samples = makespans()
-    assert all(m < m0 for m, m0 in zip(by_ranks, by_samples, strict=True))
+    by_samples = _planned("longctx", 128, 2, 0.0, steps=3)
+    assert all(m < m0 for (m, _), (m0, _) in zip(by_ranks, by_samples, strict=True))
 
 
 def test_a_near_miss_of_the_search_from_the_source_goes_on(
@@ -334,24 +324,7 @@ def test_a_near_miss_of_the_search_from_the_source_goes_on(
     # When the search from the source stops within _STAY_CLOSE of the best score, it goes
     # on for half its attempts again; on these sft steps at 8 x 4 that brings three of six
     # plans to a lower makespan with fewer samples moved, and raises none.
-    from evenflow.engine._planning import refine
-
-    def plans() -> list[tuple[float, int]]:
-        out = []
-        for step in range(6):
-            samples, bins = make_step(
-                "sft", "firstfit", num_ranks=8, bins_per_rank=4, seq_len=32768, seed=0, step=step
-            )
-            planner = Planner(
-                num_ranks=8, bins_per_rank=4, seq_len=32768, cost_model=QuadraticCost(4096.0)
-            )
-            plan = planner.plan(samples, bins, step)
-            out.append((max(plan.rank_costs), plan.num_moved))
-        return out
-
-    going_on = plans()
+    going_on = _planned("sft", 8, 4, 4096.0, steps=6)
     monkeypatch.setattr(refine, "_STAY_CLOSE", 0.0)
-    stopping = plans()
-    assert all(m <= m0 for (m, _), (m0, _) in zip(going_on, stopping, strict=True))
-    assert sum(k for _, k in going_on) < sum(k for _, k in stopping)
+    _no_higher_and_fewer_moved(going_on, _planned("sft", 8, 4, 4096.0, steps=6))
     assert refine._stay_first(700, 64) == refine._stay_first(700) + 32  # one per two ranks
