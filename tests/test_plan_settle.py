@@ -328,3 +328,33 @@ def test_a_near_miss_of_the_search_from_the_source_goes_on(
     monkeypatch.setattr(refine, "_STAY_CLOSE", 0.0)
     _no_higher_and_fewer_moved(going_on, _planned("sft", 8, 4, 4096.0, steps=6))
     assert refine._stay_first(700, 64) == refine._stay_first(700) + 32  # one per two ranks
+
+
+def test_searches_for_less_movement_spend_no_knapsack_cells() -> None:
+    # With one bin per rank the second search phase may run a knapsack per partner bin (up
+    # to ~1M cells a search). The searches that only look for a layout moving fewer samples
+    # (the near-miss continuation, the second search from the source) run without it, so
+    # they do not multiply a single-bin plan's time.
+    spent: list[tuple[bool, int]] = []
+
+    class Recording(refine.RefineAlgorithm):
+        knapsack = True
+
+        def _refine(self, problem, origin, budget, **kwargs):  # type: ignore[no-untyped-def]
+            self.knapsack = kwargs.get("knapsack", True)
+            return super()._refine(problem, origin, budget, **kwargs)
+
+        def _polish(self, problem, start, budget, cells, **kwargs):  # type: ignore[no-untyped-def]
+            spent.append((self.knapsack, cells))
+            return super()._polish(problem, start, budget, cells, **kwargs)
+
+    for step in range(20):
+        samples, bins = make_step(
+            "longctx", "firstfit", num_ranks=8, bins_per_rank=1, seq_len=131072, seed=0, step=step
+        )
+        Planner(num_ranks=8, bins_per_rank=1, seq_len=131072, algorithm=Recording()).plan(
+            samples, bins, step
+        )
+    assert any(not knapsack for knapsack, _ in spent)  # the second search ran
+    assert all(cells == 0 for knapsack, cells in spent if not knapsack)
+    assert any(cells > 0 for knapsack, cells in spent if knapsack)

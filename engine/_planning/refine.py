@@ -133,6 +133,9 @@ _STAY_SAMPLES_PER_ATTEMPT = 64
 # attempts nothing changed.
 _STAY_FEW = 48
 _STAY_WORK = 3072
+# ... and at most this many: one bin per rank of long documents (~4 samples a rank) would
+# otherwise get ~770, where past ~200 nothing changed on the benchmark's steps.
+_STAY_WIDEST = 256
 # The first search from the source gets one attempt more per two ranks (each attempt works
 # one rank: at 64 x 4, sft first-fit steps then reach the best score more often, median
 # moved 0.58 -> 0.48), and when it stops within _STAY_CLOSE of that score it goes on from
@@ -156,7 +159,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v8"
+    algorithm_id = "refine-v9"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -256,6 +259,7 @@ class RefineAlgorithm:
                     int(_stay_first(n, problem.num_ranks) * _STAY_MORE),
                     stop_at=target,
                     rounds=_STAY_ROUNDS,
+                    knapsack=False,
                 )
             if _score_of(problem, stay_rank_of) <= best and _budgets_hold(problem, stay):
                 settled = FlatLayout(
@@ -296,7 +300,7 @@ class RefineAlgorithm:
         # replaces that layout when it scores no higher and moves fewer samples.
         target = score(*final)
         stay, stay_rank_of = self._refine(
-            problem, source, wider, stop_at=target, rounds=_STAY_ROUNDS
+            problem, source, wider, stop_at=target, rounds=_STAY_ROUNDS, knapsack=False
         )
         if _score_of(problem, stay_rank_of) <= target and _budgets_hold(problem, stay):
             cheap = settle(problem, stay.flat, stay.sizes, home, score=score, order=order)
@@ -313,15 +317,18 @@ class RefineAlgorithm:
         *,
         stop_at: float | None = None,
         rounds: int = 0,
+        knapsack: bool = True,
     ) -> tuple[FlatLayout, np.ndarray]:
         """The first search phase, then the second one (``polish.py``) and the first again
         while the second finds changes (at most ``rounds`` times, default
         ``_POLISH_ROUNDS``). ``stop_at``: a load at or below which the most loaded rank is
-        good enough (default: near the bound)."""
+        good enough (default: near the bound). ``knapsack``: whether the second phase may
+        spend its knapsack allowance on subset exchanges (one bin per rank only)."""
         layout, rank_of = self._search(problem, origin, budget, stop_at=stop_at)
         if problem.constraints.budgets:
             return layout, rank_of
-        cells = polish_cells(problem) // _POLISH_ROUNDS  # the allowance spans the rounds
+        # The allowance spans the rounds.
+        cells = polish_cells(problem) // _POLISH_ROUNDS if knapsack else 0
         # Partners come from the whole group, so the attempts scale with it too.
         attempts = max(budget, problem.num_ranks // 2)
         if not rounds:
@@ -395,9 +402,10 @@ def _stay_first(num_samples: int, num_ranks: int = 0) -> int:
 
 def _stay_budget(problem: BalanceProblem) -> int:
     """Attempts of the second search from the source (``_STAY_WORK`` over the samples per
-    rank), or 0 where ranks hold more than ``_STAY_FEW`` samples and it does not run."""
+    rank, at most ``_STAY_WIDEST``), or 0 where ranks hold more than ``_STAY_FEW`` samples
+    and it does not run."""
     per_rank = max(1, problem.num_samples // max(1, problem.num_ranks))
-    return _STAY_WORK // per_rank if per_rank <= _STAY_FEW else 0
+    return min(_STAY_WORK // per_rank, _STAY_WIDEST) if per_rank <= _STAY_FEW else 0
 
 
 def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:
