@@ -109,7 +109,8 @@ _RANKS_PER_ATTEMPT = 2
 _MIN_BUDGET = 6
 _MAX_BUDGET = 512
 # The search from the source towards the best makespan (``_finish``) runs on steps up to this
-# many samples, with 32 attempts plus one per 32 samples: each attempt changes one or two
+# many samples, with _STAY_ATTEMPTS attempts plus one per _STAY_SAMPLES_PER_ATTEMPT samples
+# (and one per _STAY_RANKS_PER_ATTEMPT ranks, below): each attempt changes one or two
 # samples, and reaching a balanced layout from a source 1.3x above its bound takes ~1 per 25
 # (p50 26 attempts at 8 x 4, 235 at 64 x 4, sft). A step that does not get there in time
 # keeps the other layout, so the cap bounds the planning time (~2 ms at 8 x 4) and nothing
