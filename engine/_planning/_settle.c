@@ -280,6 +280,28 @@ static int indexed_order(const void *pa, const void *pb) {
     return (a->id > b->id) - (a->id < b->id);
 }
 
+/* The first position of rank h's part of the cost index whose cost is at least lo (the
+   part's end when none is): a binary search. */
+static Py_ssize_t first_costing(const indexed_t *index, const int64_t *rank_start, int64_t h,
+                                double lo) {
+    Py_ssize_t a = rank_start[h], z = rank_start[h + 1];
+    while (a < z) {
+        Py_ssize_t mid = a + (z - a) / 2;
+        if (index[mid].cost < lo) a = mid + 1;
+        else z = mid;
+    }
+    return a;
+}
+
+/* The fullest bin of rank h with room for `tok` more tokens (the first on ties), or -1. */
+static int64_t fullest_fit(const home_t *s, int64_t h, int64_t tok) {
+    int64_t y = -1;
+    for (int64_t b = h * s->per; b < (h + 1) * s->per; b++) {
+        if (s->bin_tok[b] + tok <= s->seq_len && (y < 0 || s->bin_tok[b] > s->bin_tok[y])) y = b;
+    }
+    return y;
+}
+
 /* The nlight least loaded ranks, lightest first (ties: lowest index), into light. */
 static void light_ranks(const double *load, Py_ssize_t ranks, int64_t *light, Py_ssize_t nlight) {
     Py_ssize_t m = 0;
@@ -328,14 +350,7 @@ static int home_eject(home_t *s, int64_t i, double limit, Py_ssize_t scan, const
                       const int64_t *rank_start, const int64_t *light, Py_ssize_t nlight) {
     int64_t x = s->bin_of[i], p = s->rank_of[i], h = s->home_rank[i], ti = s->tok[i];
     int64_t seq_len = s->seq_len;
-    Py_ssize_t per = s->per;
-    double lo = s->cost[i] - (limit - s->load[h]);
-    Py_ssize_t a = rank_start[h], z = rank_start[h + 1];
-    while (a < z) {
-        Py_ssize_t mid = a + (z - a) / 2;
-        if (index[mid].cost < lo) a = mid + 1;
-        else z = mid;
-    }
+    Py_ssize_t a = first_costing(index, rank_start, h, s->cost[i] - (limit - s->load[h]));
     Py_ssize_t last = a + scan < rank_start[h + 1] ? a + scan : rank_start[h + 1];
     for (Py_ssize_t k = a; k < last; k++) {
         int64_t j = index[k].id;
@@ -345,10 +360,7 @@ static int home_eject(home_t *s, int64_t i, double limit, Py_ssize_t scan, const
         if (s->bin_tok[yb] - s->tok[j] + ti <= seq_len) {
             y = yb;
         } else if (s->members[yb].n >= 2) {
-            for (int64_t b = h * per; b < (h + 1) * per; b++) {
-                if (b != yb && s->bin_tok[b] + ti <= seq_len && (y < 0 || s->bin_tok[b] > s->bin_tok[y]))
-                    y = b;
-            }
+            y = fullest_fit(s, h, ti); /* never yb: i does not fit there even once j left */
         }
         if (y < 0) continue;
         int64_t dst = eject_target(s, j, h, p, x, i, limit, light, nlight);
@@ -368,7 +380,7 @@ static int home_eject(home_t *s, int64_t i, double limit, Py_ssize_t scan, const
 static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const indexed_t *by_cost,
                             indexed_t *index, int64_t *rank_start, Py_ssize_t ranks,
                             int64_t *light, Py_ssize_t nlight, Py_ssize_t eject_scan) {
-    Py_ssize_t per = s->per, changes = 0;
+    Py_ssize_t changes = 0;
     int64_t seq_len = s->seq_len;
     for (Py_ssize_t r = 0; r <= ranks; r++) rank_start[r] = 0;
     for (Py_ssize_t i = 0; i < s->n; i++) rank_start[s->rank_of[i] + 1]++;
@@ -392,10 +404,7 @@ static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const inde
             if (s->bin_tok[hb] + ti <= seq_len) {
                 y = hb;
             } else {
-                for (int64_t b = h * per; b < (h + 1) * per; b++) {
-                    if (s->bin_tok[b] + ti <= seq_len && (y < 0 || s->bin_tok[b] > s->bin_tok[y]))
-                        y = b;
-                }
+                y = fullest_fit(s, h, ti);
             }
             if (y >= 0) {
                 if (home_relocate(s, i, y) < 0) return -1;
@@ -405,12 +414,7 @@ static Py_ssize_t home_pass(home_t *s, double limit, Py_ssize_t scan, const inde
         }
         /* A swap with an away sample of h: one that belongs on p first. */
         double lo = ci - (limit - s->load[h]), hi = ci + (limit - s->load[p]);
-        Py_ssize_t a = rank_start[h], z = rank_start[h + 1];
-        while (a < z) {
-            Py_ssize_t mid = a + (z - a) / 2;
-            if (index[mid].cost < lo) a = mid + 1;
-            else z = mid;
-        }
+        Py_ssize_t a = first_costing(index, rank_start, h, lo);
         int64_t best = -1;
         Py_ssize_t last = a + scan < rank_start[h + 1] ? a + scan : rank_start[h + 1];
         for (Py_ssize_t k = a; k < last && index[k].cost <= hi; k++) {
