@@ -327,7 +327,7 @@ def test_a_near_miss_of_the_search_from_the_source_goes_on(
     going_on = _planned("sft", 8, 4, 4096.0, steps=6)
     monkeypatch.setattr(refine, "_STAY_CLOSE", 0.0)
     _no_higher_and_fewer_moved(going_on, _planned("sft", 8, 4, 4096.0, steps=6))
-    assert refine._stay_first(700, 64) == refine._stay_first(700) + 32  # one per two ranks
+    assert refine._stay_first(700, 64) == refine._stay_first(700, 0) + 32  # one per two ranks
 
 
 def test_searches_for_less_movement_spend_no_knapsack_cells() -> None:

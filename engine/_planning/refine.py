@@ -227,6 +227,7 @@ class RefineAlgorithm:
         bins start from scratch and move nearly every sample.
         """
         n = problem.num_samples
+        first = _stay_first(n, problem.num_ranks)
         home = home_bins(source.flat, source.sizes, n)
         order = cost_order(problem)  # sorted once for every settle below
 
@@ -246,23 +247,20 @@ class RefineAlgorithm:
             rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
             target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
             stay, stay_rank_of = self._refine(
-                problem,
-                source,
-                _stay_first(n, problem.num_ranks),
-                stop_at=target,
-                rounds=_STAY_ROUNDS,
+                problem, source, first, stop_at=target, rounds=_STAY_ROUNDS
             )
             reached = _score_of(problem, stay_rank_of)
             if best < reached <= best * (1.0 + _STAY_CLOSE):  # a near miss: go on
                 stay, stay_rank_of = self._refine(
                     problem,
                     stay,
-                    int(_stay_first(n, problem.num_ranks) * _STAY_MORE),
+                    int(first * _STAY_MORE),
                     stop_at=target,
                     rounds=_STAY_ROUNDS,
                     knapsack=False,
                 )
-            if _score_of(problem, stay_rank_of) <= best and _budgets_hold(problem, stay):
+                reached = _score_of(problem, stay_rank_of)
+            if reached <= best and _budgets_hold(problem, stay):
                 settled = FlatLayout(
                     *settle(problem, stay.flat, stay.sizes, home, score=score, order=order),
                     settled=True,
@@ -289,11 +287,7 @@ class RefineAlgorithm:
             problem, chosen.flat, chosen.sizes, home, score=score, order=order, thorough=True
         )
         wider = _stay_budget(problem)
-        if (
-            problem.objective is not makespan
-            or n > _STAY_MAX_SAMPLES
-            or wider <= _stay_first(n, problem.num_ranks)
-        ):
+        if problem.objective is not makespan or n > _STAY_MAX_SAMPLES or wider <= first:
             return FlatLayout(*final, settled=True)
         # Ranks with few samples (long documents): the search above often stops short of the
         # best score within its attempts. A second one from the source, with attempts sized
@@ -391,7 +385,7 @@ def _default_budget(problem: BalanceProblem) -> int:
     return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
 
 
-def _stay_first(num_samples: int, num_ranks: int = 0) -> int:
+def _stay_first(num_samples: int, num_ranks: int) -> int:
     """Attempts of the search from the source: ``_STAY_ATTEMPTS`` plus one per
     ``_STAY_SAMPLES_PER_ATTEMPT`` samples and one per ``_STAY_RANKS_PER_ATTEMPT`` ranks."""
     return (
