@@ -494,6 +494,50 @@ def test_the_first_phase_exchanges_with_ranks_past_the_four_lightest() -> None:
     assert sorted(problem.tokens[i] for i in layout.bins[0]) == [3, 3, 4]
 
 
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_search_moves_to_a_rank_past_the_wide_partners(
+    implementation: str, planning_oracle: ModuleType
+) -> None:
+    # 48 ranks of one 10-token bin. Rank 0 holds 2, 2, 6 tokens (costs 30, 30, 10: 70). The
+    # 39 lightest ranks are full of 5-token samples (10): no move, swap or run fits there
+    # (rank 0's bin is full too, so only equal-token exchanges could, and none improves).
+    # The only room is on ranks 40-47 (two 4-token samples, 10.4), past the 36 ranks the
+    # search tried before giving up: its last family moves a 2-token sample to rank 40.
+    bins = [[2, 2, 6]] + [[5, 5] for _ in range(39)] + [[4, 4] for _ in range(8)]
+    costs = [30.0, 30.0, 10.0] + [5.0] * 78 + [5.2] * 16
+    problem = make_problem(bins, num_ranks=48, seq_len=10, costs=costs)
+    if implementation == "compiled":
+        layout = search(problem, _source_layout(problem), 256)[0].bins
+    else:
+        layout = planning_oracle.OracleSearch(problem, _source_layout(problem)).run(256).bins
+    assert_valid_layout(problem, layout)
+    assert problem.score(layout) == pytest.approx(40.4)  # was 70: the search stopped there
+    assert 0 in layout[40]  # the first 2-token sample, on the lowest of the tied ranks
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_search_matches_past_the_wide_partners(
+    planning_oracle: ModuleType, seed: int
+) -> None:
+    # Shuffled variants of the case above: 40 full light ranks, a few roomy ones heavier
+    # than them and a few heavy full ones (each seed reaches the last family 3-7 times).
+    rng = np.random.default_rng(seed)
+    kinds = [0] * 40 + [1] * int(rng.integers(6, 12)) + [2] * int(rng.integers(3, 8))
+    shapes = [[[5, 5]], [[4, 4], [3, 4]], [[2, 2, 6], [3, 7], [1, 9], [1, 2, 7]]]
+    bins, costs = [], []
+    for k in rng.permutation(kinds).tolist():
+        shape = shapes[k][int(rng.integers(0, len(shapes[k])))]
+        bins.append(list(shape))
+        scale, jitter = [(2.5, 0.0), (4.0, 0.1), (10.0, 1.0)][k]
+        costs += [scale * t + int(rng.integers(0, 3)) * jitter for t in shape]
+    problem = make_problem(bins, num_ranks=len(bins), seq_len=10, costs=costs)
+    source = _source_layout(problem)
+    expected = planning_oracle.OracleSearch(problem, source).run(300)
+    got = search(problem, source, 300)[0]
+    assert got.bins == expected.bins
+    assert problem.score(got.bins) < problem.score(source.bins)
+
+
 def test_lpt_sentinels_report_a_dead_end_when_every_rank_is_full() -> None:
     # Two ranks, one bin each: the two expensive 5s open both bins, then the 6 fits neither,
     # so every rank is parked and the run ends (the source 5+5 | 6+4 is feasible).

@@ -488,6 +488,15 @@ class OracleSearch:
                 found = family(a, heavy, wide, tol)
                 if found is not None:
                     return found()
+        if count - 1 > reach and order.size == reach:
+            # Last: moves and bin swaps with every other lighter rank, in rank order.
+            outside = np.ones(count, dtype=bool)
+            outside[order] = False
+            far = np.flatnonzero(outside & (load < top - tol))[: self.cost.size]
+            if far.size:
+                found = self._move(a, heavy, far, tol)
+                if found is not None:
+                    return found()
         return -1
 
     def _rank_samples(self, r: int) -> np.ndarray:
