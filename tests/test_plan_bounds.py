@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from test_algorithms import FAST, make_problem
 from evenflow.engine._model import SampleKey, SampleMetadata
 from evenflow.engine._pipeline.stats import BalanceTally, step_stats
 from evenflow.engine._plan import BalanceDecision, plan_from_wire, plan_to_wire
+from evenflow.engine._planning import bounds, native
 from evenflow.engine._planning.bounds import step_bound
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.planner import Planner
@@ -97,6 +99,132 @@ def test_pigeonhole_bound_pairs_the_two_largest_of_r_plus_one() -> None:
     # Three samples of cost 10 on two ranks: one rank holds two of them.
     problem = make_problem([[1, 1], [1]], num_ranks=2, seq_len=100, costs=[10.0, 10.0, 10.0])
     assert step_bound(problem).lower_bound == pytest.approx(20.0 * (1 - 1e-9))
+
+
+def test_heavy_ranks_must_share_the_short_samples() -> None:
+    # Three ranks of one 10-token bin, 28 tokens. Two heavy samples (5 tokens, cost 50) sit
+    # on two ranks; the third holds the 8-token sample (cost 40) and room for 2 more tokens,
+    # so the heavy ranks take at least 8 tokens of short samples (2 tokens, cost 2 each):
+    # no layout beats 54 (4 on each). Bound 4 sees one heavy rank only: 50 + 3 = 53.
+    problem = make_problem(
+        [[5, 5], [8, 2], [2, 2, 2, 2]], num_ranks=3, seq_len=10, costs=[50, 50, 40, 2, 2, 2, 2, 2]
+    )
+    assert bounds._capacity(problem, problem.costs) == pytest.approx(53.0)
+    assert step_bound(problem).lower_bound == pytest.approx(54.0, rel=1e-8)
+    assert brute_force_optimum(problem) == 54.0
+
+
+def _heavy_step(rng: np.random.Generator) -> BalanceProblem:
+    """A tiny step where bound 5 can bite: 2-3 costly samples, one long and cheaper per
+    token, and short cheap ones, first-fit into 3 one-bin ranks (nearly full)."""
+    while True:
+        seq_len = int(rng.integers(8, 14))
+        num_heavy = int(rng.integers(2, 4))
+        samples: list[tuple[int, float]] = []
+        for _ in range(num_heavy):
+            samples.append((int(rng.integers(2, seq_len // 2 + 1)), float(rng.integers(30, 60))))
+        samples.append((int(rng.integers(seq_len // 2, seq_len + 1)), float(rng.integers(10, 45))))
+        for _ in range(7 - num_heavy):
+            t = int(rng.integers(1, 3))
+            samples.append((t, float(t * rng.integers(1, 3))))
+        bins: list[list[tuple[int, float]]] = [[], [], []]
+        for t, c in samples:
+            fits = [b for b in range(3) if sum(x for x, _ in bins[b]) + t <= seq_len]
+            if not fits:
+                break
+            bins[fits[0]].append((t, c))
+        else:
+            if all(bins):
+                return make_problem(
+                    [[t for t, _ in b] for b in bins],
+                    num_ranks=3,
+                    seq_len=seq_len,
+                    costs=[c for b in bins for _, c in b],
+                )
+
+
+def test_the_heavy_ranks_bound_never_exceeds_the_optimum() -> None:
+    rng = np.random.default_rng(17)
+    raised = 0
+    for _ in range(60):
+        problem = _heavy_step(rng)
+        costs = np.asarray(problem.costs, dtype=np.float64)
+        floor = max(
+            costs.sum() / 3,
+            costs.max(),
+            bounds._pigeonhole(costs, 3),
+            bounds._capacity(problem, costs),
+        )
+        bound = step_bound(problem).lower_bound
+        optimum = brute_force_optimum(problem)
+        assert bound <= optimum * (1 + 1e-12)
+        raised += bound > floor * (1 + 1e-6)
+    assert raised >= 5  # the property is not vacuous: bound 5 lifted these steps
+
+
+def test_compiled_heavy_bound_matches_the_oracle(planning_oracle: ModuleType) -> None:
+    # Steps that are nearly full (75-100% of the tokens), with 1..R samples of ~a rank's cost
+    # and short ones of any cost per token (none, some without tokens or cost): the bound
+    # bites on about a third of them, and the core must agree with the oracle on every one.
+    rng = np.random.default_rng(23)
+    lifted = 0
+    for _ in range(150):
+        num_ranks, per = int(rng.integers(2, 9)), int(rng.integers(1, 4))
+        seq_len = int(rng.integers(8, 40))
+        heavy = rng.integers(1, seq_len // 2 + 1, size=int(rng.integers(1, num_ranks + 1)))
+        want = rng.uniform(0.75, 1.0) * num_ranks * per * seq_len - heavy.sum()
+        rest: list[int] = []
+        while sum(rest) < want:
+            rest.append(int(rng.integers(0, seq_len // 2 + 1)))
+        tokens = np.concatenate([heavy, rest]).astype(np.int64)
+        rest_costs = np.round(np.array(rest) * rng.uniform(0.0, 30.0, size=len(rest)))
+        costs = np.concatenate([rng.integers(500, 1000, size=heavy.size), rest_costs])
+        floor = max(float(costs.sum()) / num_ranks, float(costs.max()))
+        upper = [None, floor, 1.3 * floor][int(rng.integers(0, 3))]
+        density = costs / np.maximum(tokens, 1)
+        density[tokens == 0] = np.inf
+        order = np.argsort(density, kind="stable")
+        thresholds = np.multiply(bounds._HEAVY_SHARES, floor)
+        shape = {"num_ranks": num_ranks, "bins_per_rank": per, "seq_len": seq_len}
+        got = native.heavy_bound(
+            costs, tokens, order, thresholds, floor=floor, upper=upper, **shape
+        )
+        expected = planning_oracle.heavy_bound(
+            costs.tolist(),
+            tokens.tolist(),
+            order.tolist(),
+            thresholds.tolist(),
+            floor=floor,
+            upper=upper,
+            **shape,
+        )
+        assert got == expected
+        lifted += got > 0
+    assert lifted >= 30
+
+
+def test_the_plans_makespan_caps_the_heavy_ranks_search() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        problem = _heavy_step(rng)
+        alone = step_bound(problem).lower_bound
+        optimum = brute_force_optimum(problem)
+        capped = step_bound(problem, upper=optimum).lower_bound
+        assert capped == pytest.approx(alone, rel=1e-9)
+        assert capped <= optimum
+
+
+def test_the_heavy_bound_refuses_inconsistent_arrays() -> None:
+    costs, tokens = np.ones(3), np.ones(3, dtype=np.int64)
+    shape = {"num_ranks": 2, "bins_per_rank": 1, "seq_len": 4, "floor": 1.0, "upper": None}
+    thresholds = np.array([0.5])
+    assert native.heavy_bound(costs, tokens, np.arange(3), thresholds, **shape) >= 0.0
+    with pytest.raises(ValueError, match="density order"):
+        native.heavy_bound(costs, tokens, np.array([0, 1, 7]), thresholds, **shape)
+    with pytest.raises(ValueError, match="one entry per sample"):
+        native.heavy_bound(costs, tokens, np.arange(2), thresholds, **shape)
+    with pytest.raises(ValueError, match="non-negative"):
+        native.heavy_bound(-costs, tokens, np.arange(3), thresholds, **shape)
 
 
 def _samples(tokens_per_bin: list[list[int]]) -> tuple[list, list]:

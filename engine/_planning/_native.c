@@ -1570,6 +1570,7 @@ done:
 /* Defined in _settle.c and _polish.c. */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
+PyObject *evenflow_heavy_bound(PyObject *self, PyObject *args);
 
 static PyMethodDef methods[] = {
     {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
@@ -1581,6 +1582,8 @@ static PyMethodDef methods[] = {
      "The default algorithm's second search phase (see polish.py)."},
     {"settle", evenflow_settle, METH_VARARGS,
      "Relabel a layout towards its source and bring samples home (see settle.py)."},
+    {"heavy_bound", evenflow_heavy_bound, METH_VARARGS,
+     "Bound 5 of a step's makespan, heavy ranks and tokens (see bounds.py)."},
     {NULL, NULL, 0, NULL},
 };
 

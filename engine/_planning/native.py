@@ -23,6 +23,7 @@ __all__ = [
     "CORE_VERSION",
     "core_identity",
     "cost_order",
+    "heavy_bound",
     "lpt",
     "polish",
     "refine_search",
@@ -231,3 +232,32 @@ def polish(
         cells,
     )
     return out_flat, out_sizes, int(changes)
+
+
+def heavy_bound(
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    density: np.ndarray,
+    thresholds: np.ndarray,
+    *,
+    num_ranks: int,
+    bins_per_rank: int,
+    seq_len: int,
+    floor: float,
+    upper: float | None,
+) -> float:
+    """Bound 5 of ``bounds.py`` for the heavy sets above ``thresholds`` (ascending); 0:
+    nothing above ``floor``. ``density`` orders the samples by cost per token, ascending."""
+    return float(
+        _core.heavy_bound(
+            _f64(costs),
+            _i64(tokens),
+            _i64(density),
+            _f64(thresholds),
+            num_ranks,
+            bins_per_rank,
+            seq_len,
+            float(floor),
+            0.0 if upper is None else float(upper),
+        )
+    )

@@ -282,7 +282,8 @@ class Planner:
             flat, sizes = order_bins(flat, sizes, bin_cost_matrix(problem, flat, sizes))
         # The accepted layout in canonical indices, for the window planner built on this one.
         self._last_layout = (problem, flat, sizes)
-        bound = step_bound(problem)
+        makespan = float(candidate_final_costs.max(initial=0.0))
+        bound = step_bound(problem, upper=makespan)
         decision = BalanceDecision(
             objective=self.objective_name,
             algorithm=self.algorithm_name,
@@ -291,7 +292,7 @@ class Planner:
             relative_gain=gain,
             min_balance_gain=self.min_balance_gain,
             accepted=accepted,
-            makespan=float(candidate_final_costs.max(initial=0.0)),
+            makespan=makespan,
             lower_bound=bound.lower_bound,
             mean_cost=bound.mean_cost,
             largest_cost=bound.largest_cost,

@@ -26,7 +26,14 @@ from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
 from evenflow.engine._planning.refine import RefineAlgorithm
 from evenflow.engine._planning.search import NEAR_OPTIMAL
 
-__all__ = ["OracleRefine", "OracleSearch", "PolishOracle", "lpt_assign", "lpt_layout"]
+__all__ = [
+    "OracleRefine",
+    "OracleSearch",
+    "PolishOracle",
+    "heavy_bound",
+    "lpt_assign",
+    "lpt_layout",
+]
 
 _core = native._core
 NEAR_TARGETS: int = _core.NEAR_TARGETS
@@ -1112,3 +1119,141 @@ class PolishOracle:
                 subset.append(items[k])
                 remaining -= int(self.tok[items[k]])
         return i, y, subset[::-1]
+
+
+# ---------------------------------------------------------------------------- bound 5
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """The piecewise-linear function through (xs[j], ys[j]) at x, clamped at both ends."""
+    m = len(xs) - 1
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[m]:
+        return ys[m]
+    lo, hi = 0, m
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        if xs[mid] <= x:
+            lo = mid
+        else:
+            hi = mid
+    return ys[lo] + (x - xs[lo]) * ((ys[hi] - ys[lo]) / (xs[hi] - xs[lo]))
+
+
+class _Relaxation:
+    """One heavy set's relaxation: whether a makespan passes its test."""
+
+    def __init__(
+        self,
+        *,
+        k: float,
+        spare: float,
+        heavy_cost: float,
+        least: float,
+        most: float,
+        floor: float,
+        f_tok: list[float],
+        f_cost: list[float],
+        g_cost: list[float],
+        g_tok: list[float],
+    ) -> None:
+        self.k, self.spare, self.heavy_cost = k, spare, heavy_cost
+        self.least, self.most, self.floor = least, most, floor
+        self.f_tok, self.f_cost, self.g_cost, self.g_tok = f_tok, f_cost, g_cost, g_tok
+
+    def passes(self, m: float) -> bool:
+        rounding = 1e-9
+        afford = self.k * m - self.heavy_cost
+        must = self.g_cost[-1] - self.spare * m
+        taken = _interp(self.g_cost, self.g_tok, must) if must > 0.0 else 0.0
+        taken = max(taken, self.least)
+        cheapest = _interp(self.f_tok, self.f_cost, taken)
+        slack = rounding * (abs(afford) if abs(afford) > self.floor else self.floor)
+        return taken <= self.most * (1.0 + rounding) + rounding and cheapest <= afford + slack
+
+
+def heavy_bound(
+    costs: list[float],
+    tokens: list[int],
+    density: list[int],
+    thresholds: list[float],
+    *,
+    num_ranks: int,
+    bins_per_rank: int,
+    seq_len: int,
+    floor: float,
+    upper: float | None,
+) -> float:
+    """Bound 5 of ``bounds.py`` (heavy ranks and tokens) as ``_bound.c`` computes it, in the
+    same order of float operations, so the two agree exactly."""
+    resolution = 1e-10
+    n = len(costs)
+    room = float(bins_per_rank) * float(seq_len)
+    best, previous = 0.0, -1
+    for threshold in thresholds:
+        heavy = [c > threshold for c in costs]
+        k = sum(heavy)
+        heavy_cost = heavy_tokens = 0.0
+        cheapest = second = math.inf
+        for i in range(n):
+            if heavy[i]:
+                heavy_cost += costs[i]
+                heavy_tokens += float(tokens[i])
+                if costs[i] < cheapest:
+                    cheapest, second = costs[i], cheapest
+                elif costs[i] < second:
+                    second = costs[i]
+        if k < 1 or k > num_ranks or k == previous:
+            continue
+        previous = k
+        cap = cheapest + second if k >= 2 else math.inf
+        f_tok, f_cost, g_cost, g_tok = [0.0], [0.0], [0.0], [0.0]
+        rest_tokens = 0.0
+        for i in density:
+            if heavy[i]:
+                continue
+            rest_tokens += float(tokens[i])
+            if tokens[i] > 0:
+                f_tok.append(f_tok[-1] + float(tokens[i]))
+                f_cost.append(f_cost[-1] + costs[i])
+        for i in reversed(density):
+            if heavy[i] or not costs[i] > 0.0:
+                continue
+            g_cost.append(g_cost[-1] + costs[i])
+            g_tok.append(g_tok[-1] + float(tokens[i]))
+        spare = float(num_ranks - k)
+        least = max(rest_tokens - spare * room, 0.0)
+        most = min(float(k) * room - heavy_tokens, rest_tokens)
+        if least > most:
+            continue
+        relax = _Relaxation(
+            k=float(k),
+            spare=spare,
+            heavy_cost=heavy_cost,
+            least=least,
+            most=most,
+            floor=floor,
+            f_tok=f_tok,
+            f_cost=f_cost,
+            g_cost=g_cost,
+            g_tok=g_tok,
+        )
+        lo = floor
+        hi = max(upper, lo) if upper is not None and upper > 0.0 else 2.0 * lo + heavy_cost
+        hi = min(hi, cap)
+        if relax.passes(lo):
+            continue
+        if not relax.passes(hi):
+            best = max(best, hi)
+            continue
+        for _ in range(64):
+            if not hi - lo > resolution * floor:
+                break
+            mid = lo + (hi - lo) / 2.0
+            if relax.passes(mid):
+                hi = mid
+            else:
+                lo = mid
+        best = max(best, lo)
+    return best
