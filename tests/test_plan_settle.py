@@ -250,17 +250,38 @@ def test_the_thorough_settle_ejects_an_away_sample_to_bring_one_home() -> None:
     tokens = [[3, 4], [5], [5, 9], [2]]  # source: s, a | b | t, c | d
     problem = make_problem(tokens, num_ranks=4, seq_len=20, costs=[3, 4, 5, 5, 9, 2])
     s, a, b, t, c, d = range(6)
-    flat = np.array([t, a, s, b, c, d], dtype=np.int64)
-    sizes = np.array([2, 2, 1, 1], dtype=np.int64)
+    bins = _thoroughly_settled(problem, [[t, a], [s, b], [c], [d]], moved=(2, 1), peak=9.0)
+    assert sorted(bins[0]) == [s, a] and sorted(bins[3]) == [t, d]
+
+
+def _thoroughly_settled(
+    problem: BalanceProblem, layout: list[list[int]], *, moved: tuple[int, int], peak: float
+) -> list[list[int]]:
+    """The bins of ``layout`` settled thoroughly, after checking that a plain settle leaves
+    ``moved[0]`` samples away and the thorough one ``moved[1]``, both at makespan ``peak``."""
+    flat, sizes = _flatten(layout)
     score = _score(problem)
     plain = settle(problem, flat, sizes, _home(problem), score=score)
     again = settle(problem, flat, sizes, _home(problem), score=score, thorough=True)
-    assert _moved(problem, *plain) == 2
-    assert _moved(problem, *again) == 1
-    assert score(*again) == score(*plain) == 9.0
+    assert (_moved(problem, *plain), _moved(problem, *again)) == moved
+    assert score(*again) == score(*plain) == peak
     bins = FlatLayout(*again).bins
     assert_valid_layout(problem, bins)
-    assert sorted(bins[0]) == [s, a] and sorted(bins[3]) == [t, d]
+    return [list(b) for b in bins]
+
+
+def test_the_thorough_settle_brings_a_pair_home_with_a_third_to_even_their_costs() -> None:
+    # One bin per rank; rank 3 sets the makespan (10). Sample s (2) sits on rank 1 but was
+    # read by rank 0; t (6) sits on rank 0 but was read by rank 1. Swapping them would put
+    # rank 1 at 13.5, and s alone at home would put rank 0 at 11; t cannot go home alone and
+    # no rank is light enough to take it. A third sample evens their costs: s and t go home
+    # and u (4, away on rank 1, read by rank 2, which is too full to take it back) moves to
+    # rank 0. Moved samples fall from 3 to 1 at the same makespan.
+    tokens = [[1, 1], [1, 1], [1, 1], [1]]  # source: s, a | t, b | c, u | d
+    problem = make_problem(tokens, num_ranks=4, seq_len=100, costs=[2, 3, 6, 3.5, 9, 4, 10])
+    s, a, t, b, c, u, d = range(7)
+    bins = _thoroughly_settled(problem, [[t, a], [s, u, b], [c], [d]], moved=(3, 1), peak=10.0)
+    assert sorted(bins[0]) == [s, a, u] and sorted(bins[1]) == [t, b]
 
 
 def _planned(

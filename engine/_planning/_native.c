@@ -28,7 +28,7 @@
 
 #include "_vec.h"
 
-#define CORE_VERSION 8
+#define CORE_VERSION 9
 
 typedef struct {
     int64_t *ids;

@@ -64,7 +64,8 @@ def settle(
     :func:`~evenflow.engine._planning.native.cost_order`, when settling several layouts of
     one step (else sorted here). ``thorough``: eight homecoming passes of 64 swap partners a
     sample instead of four of eight, then ejections (an away sample makes room for one to
-    come home by moving on; ``_settle.c``), for a plan's final layout (``refine.py``).
+    come home by moving on) and pairs (two samples that belong where the other is come home,
+    a third evens their costs; ``_settle.c``), for a plan's final layout (``refine.py``).
     """
     n = problem.num_samples
     w = np.ones(n, dtype=np.int64) if weights is None else np.ascontiguousarray(weights, np.int64)
