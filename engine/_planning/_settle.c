@@ -34,9 +34,13 @@
  *    third, away on the costlier one's home, evens the difference by moving on to its own
  *    home or to the cheaper one's home (home_pair). Long documents make this the common
  *    case: a swap of one for one that keeps both ranks under the peak is rare when each
- *    sample is a large share of a rank. Moved samples fall by two or three. The peak never rises in steps 3-5, so a thorough
- *    settle keeps every makespan a plain one reaches and only moves less; running the pairs
- *    last keeps every peak the ejections reach (a homecoming can lower it).
+ *    sample is a large share of a rank. Moved samples fall by two or three.
+ * Steps 3-5 never raise the peak above the given layout's and every change in them lowers the
+ * number of moved samples; the planner settles thoroughly only a layout it has already
+ * settled plainly (refine.py), so the result keeps that makespan or lowers it and moves no
+ * more (a thorough settle of an unsettled layout may end above a plain one's peak or move
+ * more: its wider passes take other paths). Running the pairs last keeps every peak the
+ * ejections reach (a homecoming can lower it).
  *
  * All of it is a pure function of the arrays: ties go to the lowest index everywhere.
  */
@@ -392,11 +396,10 @@ static int home_eject(home_t *s, int64_t i, double limit, Py_ssize_t scan, const
 /* A bin of rank g for `tok` more tokens once the pair's earlier steps are made (`gone`
    and `came`: the bins that lost and gained those steps' samples, `gone_tok` and `came_tok`
    their tokens, -1 for no bin): `prefer` when it fits, else the fullest that fits (the first
-   on ties), else -1. `avoid` is never chosen unless it is `prefer` (a bin that would be left
-   empty). */
+   on ties), else -1. */
 static int64_t pair_fit(const home_t *s, int64_t g, int64_t tok, const int64_t *gone,
                          const int64_t *gone_tok, const int64_t *came, const int64_t *came_tok,
-                         int steps, int64_t prefer, int64_t avoid) {
+                         int steps, int64_t prefer) {
     int64_t best = -1, best_used = -1;
     for (int64_t b = g * s->per; b < (g + 1) * s->per; b++) {
         int64_t used = s->bin_tok[b];
@@ -406,7 +409,6 @@ static int64_t pair_fit(const home_t *s, int64_t g, int64_t tok, const int64_t *
         }
         if (used + tok > s->seq_len) continue;
         if (b == prefer) return b;
-        if (b == avoid) continue;
         if (used > best_used) best = b, best_used = used;
     }
     return best;
@@ -455,19 +457,18 @@ static int home_pair(home_t *s, int64_t i, double limit, Py_ssize_t scan, const 
             int64_t zb = s->bin_of[k];
             int64_t gone[3] = {x, yb, zb}, gone_tok[3] = {ti, s->tok[j], s->tok[k]};
             int64_t came[3] = {y, -1, -1}, came_tok[3] = {ti, 0, 0};
-            /* j takes k's bin when it fits there once k left, else another bin of p, k's
-               bin keeping a sample (i may have left it too). */
-            Py_ssize_t left_in_zb = s->members[zb].n - 1 - (zb == x ? 1 : 0);
-            int64_t z = pair_fit(s, p, s->tok[j], gone, gone_tok, came, came_tok, 3, zb,
-                                  left_in_zb >= 1 ? -1 : zb);
+            /* j takes k's bin when it fits there once k left, else the fullest other bin of
+               p. k's bin never ends empty: when k (and i, if it was there too) were all it
+               held, j fits it (tok[j] <= seq_len) and takes it. */
+            int64_t z = pair_fit(s, p, s->tok[j], gone, gone_tok, came, came_tok, 3, zb);
             if (z < 0) continue;
             came[1] = z;
             came_tok[1] = s->tok[j];
             int64_t w = -1;
             if (home_ok) w = pair_fit(s, hk, s->tok[k], gone, gone_tok, came, came_tok, 2,
-                                       s->home[k], -1);
+                                       s->home[k]);
             if (w < 0 && h_ok) w = pair_fit(s, h, s->tok[k], gone, gone_tok, came, came_tok, 2,
-                                             -1, -1);
+                                             -1);
             if (w < 0) continue;
             if (home_relocate(s, i, y) < 0 || home_relocate(s, j, z) < 0 ||
                 home_relocate(s, k, w) < 0) {
