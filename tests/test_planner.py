@@ -10,6 +10,7 @@ import pytest
 
 from evenflow.engine._model import SampleKey, SampleMetadata
 from evenflow.engine._plan import plan_digest
+from evenflow.engine._planning import columns
 from evenflow.engine._planning.cost import ComponentCost
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine._planning.problem import BalanceProblem
@@ -409,6 +410,29 @@ def test_equal_but_distinct_keys_and_any_order_give_the_same_plan(algorithm: str
     layout = [list(b.sample_keys) for rank in same_objects.local_batches for b in rank]
     assert same_objects.digest == plan_digest(7, 200, layout, 2)
     assert same_objects.digest != plan_digest(8, 200, layout, 2)
+
+
+def test_bins_of_the_samples_own_keys_skip_the_key_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Bins that list the samples' own key objects in canonical order are the identity layout;
+    # the planner then skips reading every key's fields again, and plans the same.
+    samples, bins = _random_step(5)
+    lookups: list[int] = []
+    real = columns._lookup
+
+    def counted(table: np.ndarray, queries: np.ndarray) -> np.ndarray:
+        lookups.append(len(queries))
+        return real(table, queries)
+
+    monkeypatch.setattr(columns, "_lookup", counted)
+    make = lambda: planner(  # noqa: E731
+        num_ranks=4, bins_per_rank=2, seq_len=200, cost_model="quadratic", algorithm="default"
+    )
+    fast = make().plan(samples, bins, step=3)
+    assert lookups == []
+    copies = [[SampleKey(*k.as_tuple()) for k in b] for b in bins]
+    slow = make().plan(samples, copies, step=3)
+    assert lookups == [len(samples)]
+    assert fast == slow
 
 
 def test_an_algorithm_returning_numpy_bins_is_accepted() -> None:

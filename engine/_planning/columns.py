@@ -395,6 +395,11 @@ def _source_bins(
         raise TypeError(
             f"reference_bins[{b}] must contain SampleKey values, but got {given_keys[p]!r:.80}."
         )
+    if len(given_keys) == len(keys) and all(map(operator.is_, given_keys, keys)):
+        # The bins list the samples' own key objects, in canonical order (what a caller
+        # that builds both from one list passes): every key once, so the source layout is
+        # the identity, without re-reading every key's fields (~0.2 ms per 1,000 keys).
+        return np.arange(len(keys), dtype=np.int64), sizes
     flat = _lookup(fields, _key_fields(given_keys, "reference_bins"))
     if flat.size and flat.min() < 0:
         p = int(np.flatnonzero(flat < 0)[0])
