@@ -315,13 +315,30 @@ static Py_ssize_t first_costing(const indexed_t *index, const int64_t *rank_star
     return a;
 }
 
+/* A bin of rank g with room for `tok` more tokens once some samples have left or joined
+   its bins (`gone[t]` lost `gone_tok[t]` tokens and `came[t]` gained `came_tok[t]`, t <
+   `moves`; -1 for no bin): `prefer` when it fits, else the fullest that fits (the first on
+   ties), else -1. */
+static int64_t fit_after(const home_t *s, int64_t g, int64_t tok, const int64_t *gone,
+                         const int64_t *gone_tok, const int64_t *came, const int64_t *came_tok,
+                         int moves, int64_t prefer) {
+    int64_t best = -1, best_used = -1;
+    for (int64_t b = g * s->per; b < (g + 1) * s->per; b++) {
+        int64_t used = s->bin_tok[b];
+        for (int t = 0; t < moves; t++) {
+            if (gone[t] == b) used -= gone_tok[t];
+            if (came[t] == b) used += came_tok[t];
+        }
+        if (used + tok > s->seq_len) continue;
+        if (b == prefer) return b;
+        if (used > best_used) best = b, best_used = used;
+    }
+    return best;
+}
+
 /* The fullest bin of rank h with room for `tok` more tokens (the first on ties), or -1. */
 static int64_t fullest_fit(const home_t *s, int64_t h, int64_t tok) {
-    int64_t y = -1;
-    for (int64_t b = h * s->per; b < (h + 1) * s->per; b++) {
-        if (s->bin_tok[b] + tok <= s->seq_len && (y < 0 || s->bin_tok[b] > s->bin_tok[y])) y = b;
-    }
-    return y;
+    return fit_after(s, h, tok, NULL, NULL, NULL, NULL, 0, -1);
 }
 
 /* The nlight least loaded ranks, lightest first (ties: lowest index), into light. */
@@ -344,21 +361,15 @@ static void light_ranks(const double *load, Py_ssize_t ranks, int64_t *light, Py
    below `limit` with a bin that has room for j qualify; p counts i as gone. The bin, or -1. */
 static int64_t eject_target(const home_t *s, int64_t j, int64_t h, int64_t p, int64_t x,
                             int64_t i, double limit, const int64_t *light, Py_ssize_t nlight) {
-    Py_ssize_t per = s->per;
-    int64_t tj = s->tok[j], hj = s->home_rank[j];
+    int64_t tj = s->tok[j], hj = s->home_rank[j], none = -1, ti = s->tok[i];
     for (Py_ssize_t k = -1; k < nlight; k++) {
         int64_t g = k < 0 ? hj : light[k];
         if (g == h || (k >= 0 && g == hj)) continue;
         double load = s->load[g] + s->cost[j] - (g == p ? s->cost[i] : 0.0);
         if (load > limit) continue;
-        int64_t best = -1, best_tok = -1;
-        for (int64_t b = g * per; b < (g + 1) * per; b++) {
-            int64_t used = s->bin_tok[b] - (b == x ? s->tok[i] : 0);
-            if (used + tj > s->seq_len) continue;
-            if (b == s->home[j]) return b;
-            if (used > best_tok) best = b, best_tok = used;
-        }
-        if (best >= 0) return best;
+        /* i leaves bin x (of p); j's source bin first. */
+        int64_t b = fit_after(s, g, tj, &x, &ti, &none, &none, 1, s->home[j]);
+        if (b >= 0) return b;
     }
     return -1;
 }
@@ -391,27 +402,6 @@ static int home_eject(home_t *s, int64_t i, double limit, Py_ssize_t scan, const
         return 1;
     }
     return 0;
-}
-
-/* A bin of rank g for `tok` more tokens once the pair's earlier steps are made (`gone`
-   and `came`: the bins that lost and gained those steps' samples, `gone_tok` and `came_tok`
-   their tokens, -1 for no bin): `prefer` when it fits, else the fullest that fits (the first
-   on ties), else -1. */
-static int64_t pair_fit(const home_t *s, int64_t g, int64_t tok, const int64_t *gone,
-                         const int64_t *gone_tok, const int64_t *came, const int64_t *came_tok,
-                         int steps, int64_t prefer) {
-    int64_t best = -1, best_used = -1;
-    for (int64_t b = g * s->per; b < (g + 1) * s->per; b++) {
-        int64_t used = s->bin_tok[b];
-        for (int t = 0; t < steps; t++) {
-            if (gone[t] == b) used -= gone_tok[t];
-            if (came[t] == b) used += came_tok[t];
-        }
-        if (used + tok > s->seq_len) continue;
-        if (b == prefer) return b;
-        if (used > best_used) best = b, best_used = used;
-    }
-    return best;
 }
 
 /* The pair homecoming of the thorough settle (pair_pass), after the ejections: sample i
@@ -460,15 +450,15 @@ static int home_pair(home_t *s, int64_t i, double limit, Py_ssize_t scan, const 
             /* j takes k's bin when it fits there once k left, else the fullest other bin of
                p. k's bin never ends empty: when k (and i, if it was there too) were all it
                held, j fits it (tok[j] <= seq_len) and takes it. */
-            int64_t z = pair_fit(s, p, s->tok[j], gone, gone_tok, came, came_tok, 3, zb);
+            int64_t z = fit_after(s, p, s->tok[j], gone, gone_tok, came, came_tok, 3, zb);
             if (z < 0) continue;
             came[1] = z;
             came_tok[1] = s->tok[j];
             int64_t w = -1;
-            if (home_ok) w = pair_fit(s, hk, s->tok[k], gone, gone_tok, came, came_tok, 2,
-                                       s->home[k]);
-            if (w < 0 && h_ok) w = pair_fit(s, h, s->tok[k], gone, gone_tok, came, came_tok, 2,
-                                             -1);
+            if (home_ok) w = fit_after(s, hk, s->tok[k], gone, gone_tok, came, came_tok, 2,
+                                        s->home[k]);
+            if (w < 0 && h_ok) w = fit_after(s, h, s->tok[k], gone, gone_tok, came, came_tok, 2,
+                                              -1);
             if (w < 0) continue;
             if (home_relocate(s, i, y) < 0 || home_relocate(s, j, z) < 0 ||
                 home_relocate(s, k, w) < 0) {
