@@ -1567,7 +1567,7 @@ done:
     return result;
 }
 
-/* Defined in _settle.c and _polish.c. */
+/* Defined in _settle.c, _polish.c and _bound.c. */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
 PyObject *evenflow_heavy_bound(PyObject *self, PyObject *args);
