@@ -383,7 +383,8 @@ def _without(config: dict[str, Any], *keys: str) -> dict[str, Any]:
         (_moe(first_k_dense_replace=0, moe_layer_freq=0), "moe_layer_freq"),
         (_moe(mlp_only_layers=[1]), r"mlp_only_layers'\]\[0\]=1 is not a layer index below 1"),
         (_moe(mlp_only_layers=3), "must be a list of layer indices"),
-        (_gqa(layer_types=["linear_attention"]), r"layer_types'\]\[0\] must be one of"),
+        (_gqa(layer_types=["mamba"]), r"layer_types'\]\[0\] must be one of"),
+        (_gqa(layer_types=["linear_attention"]), r"missing \['linear_num_key_heads'"),
         (_gqa(layer_types=["sliding_attention"]), r"missing \['sliding_window'\]"),
         (
             _gqa(layer_types=["sliding_attention"], sliding_window=0),

@@ -41,7 +41,53 @@ _DIFF_TIME_EMBED_MODES: tuple[str, ...] = ("add", "prepend", "adaln")
 _ATTN_BLOCK_MODES: tuple[str, ...] = ("tail", "blockmask")
 _EXPERT_KEYS: tuple[str, ...] = ("n_routed_experts", "num_experts", "num_local_experts")
 _MLP_KINDS: tuple[str, ...] = ("dense", "sparse")
-_ATTENTION_KINDS: tuple[str, ...] = ("full_attention", "sliding_attention")
+_ATTENTION_KINDS: tuple[str, ...] = (
+    "full_attention",
+    "sliding_attention",
+    "chunked_attention",
+    "linear_attention",
+)
+#: Backbone ``model_type`` values whose fields this model reads (a config without one is read
+#: by the generic rules). Any other value is refused: its cost may hide in fields not read here.
+MODEL_TYPES: tuple[str, ...] = (
+    "deepseek_v2",
+    "deepseek_v3",
+    "gemma3_text",
+    "gpt_oss",
+    "llama",
+    "llama4_text",
+    "mistral",
+    "mixtral",
+    "phi3",
+    "phimoe",
+    "qwen2",
+    "qwen2_5_vl_text",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_5_moe_text",
+    "qwen3_5_text",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_vl_moe_text",
+    "qwen3_vl_text",
+)
+#: Top-level ``model_type`` values whose ``text_config`` is the backbone (the vision tower is
+#: :class:`~evenflow.engine.VisionLanguageCost`'s business).
+WRAPPER_TYPES: tuple[str, ...] = (
+    "gemma3",
+    "llama4",
+    "qwen2_5_vl",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+)
+# Full attention layers whose query projection also produces an output gate (2·A·d wide).
+_GATED_QUERY: tuple[str, ...] = ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")
+# Mixture-of-experts models whose expert width is ``intermediate_size``.
+_EXPERT_WIDTH_IS_INTERMEDIATE: tuple[str, ...] = ("gpt_oss", "llama4_text", "mixtral", "phimoe")
+# Models whose ``sliding_window``, when set, applies to every layer.
+_EVERY_LAYER_SLIDES: tuple[str, ...] = ("mistral", "mixtral", "phi3", "phimoe")
 
 
 def _config_dict(value: object, name: str, error: type[Exception]) -> dict[str, Any]:
@@ -185,6 +231,9 @@ def _mlp_pattern(f: _Fields, layers: int, experts: int) -> tuple[str, ...]:
         return f.choices("mlp_layer_types", _MLP_KINDS, layers)
     if experts == 0:
         return ("dense",) * layers
+    if f.has("moe_layers"):  # Llama 4: the sparse layers' indices
+        sparse = set(_layer_indices(f, "moe_layers", layers))
+        return tuple("sparse" if i in sparse else "dense" for i in range(layers))
     if f.has("first_k_dense_replace"):
         first_dense = f.integer("first_k_dense_replace", minimum=0)
         freq = f.optional_int("moe_layer_freq", minimum=1, default=1)
@@ -194,19 +243,21 @@ def _mlp_pattern(f: _Fields, layers: int, experts: int) -> tuple[str, ...]:
     step = f.optional_int("decoder_sparse_step", minimum=1, default=1)
     dense_only: set[int] = set()
     if f.has("mlp_only_layers"):
-        value = f.data["mlp_only_layers"]
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(
-                f"{f.name('mlp_only_layers')} must be a list of layer indices, got {value!r:.80}."
-            )
-        for i, index in enumerate(value):
-            name = f"{f.name('mlp_only_layers')}[{i}]"
-            if check_int(name, index, minimum=0) >= layers:
-                raise ConfigError(f"{name}={index} is not a layer index below {layers}.")
-            dense_only.add(index)
+        dense_only = set(_layer_indices(f, "mlp_only_layers", layers))
     return tuple(
         "sparse" if (i + 1) % step == 0 and i not in dense_only else "dense" for i in range(layers)
     )
+
+
+def _layer_indices(f: _Fields, key: str, layers: int) -> list[int]:
+    value = f.data[key]
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{f.name(key)} must be a list of layer indices, got {value!r:.80}.")
+    for i, index in enumerate(value):
+        name = f"{f.name(key)}[{i}]"
+        if check_int(name, index, minimum=0) >= layers:
+            raise ConfigError(f"{name}={index} is not a layer index below {layers}.")
+    return list(value)
 
 
 def _mlp(f: _Fields, hidden: int, layers: int) -> tuple[int, dict[str, Any]]:
@@ -217,9 +268,13 @@ def _mlp(f: _Fields, hidden: int, layers: int) -> tuple[int, dict[str, Any]]:
     num_sparse = layers - num_dense
     fields: dict[str, Any] = {"mlp_layer_types": list(pattern)}
     macs = 0
+    model_type = f.data.get("model_type")
+    llama4 = model_type == "llama4_text"
     if num_dense:
-        f.require("intermediate_size", why="by the dense MLP layers")
-        intermediate = f.integer("intermediate_size", minimum=1)
+        # Llama 4's dense layers have their own width; its experts use intermediate_size.
+        dense_key = "intermediate_size_mlp" if llama4 else "intermediate_size"
+        f.require(dense_key, why="by the dense MLP layers")
+        intermediate = f.integer(dense_key, minimum=1)
         fields["intermediate_size"] = intermediate
         macs += num_dense * 3 * hidden * intermediate
     if num_sparse:
@@ -228,14 +283,19 @@ def _mlp(f: _Fields, hidden: int, layers: int) -> tuple[int, dict[str, Any]]:
                 f"{f.name('mlp_layer_types')} marks {num_sparse} layer(s) sparse, but no routed "
                 f"experts are configured; set one of {list(_EXPERT_KEYS)!r}."
             )
-        f.require("num_experts_per_tok", "moe_intermediate_size", why="by the sparse MLP layers")
+        width_key = (
+            "intermediate_size"
+            if model_type in _EXPERT_WIDTH_IS_INTERMEDIATE and not f.has("moe_intermediate_size")
+            else "moe_intermediate_size"
+        )
+        f.require("num_experts_per_tok", width_key, why="by the sparse MLP layers")
         top_k = f.integer("num_experts_per_tok", minimum=1)
         if top_k > experts:
             raise ConfigError(
                 f"{f.name('num_experts_per_tok')}={top_k} exceeds the {experts} routed experts; "
                 "a token cannot be routed to more experts than exist."
             )
-        expert_size = f.integer("moe_intermediate_size", minimum=1)
+        expert_size = f.integer(width_key, minimum=1)
         # Shared experts: DeepSeek counts experts of the routed size (n_shared_experts); Qwen-MoE
         # gives one shared expert its own width (shared_expert_intermediate_size).
         shared_size = f.optional_int(
@@ -244,7 +304,8 @@ def _mlp(f: _Fields, hidden: int, layers: int) -> tuple[int, dict[str, Any]]:
         shared_count = f.optional_int(
             "n_shared_experts",
             minimum=0,
-            default=1 if f.has("shared_expert_intermediate_size") else 0,
+            # Llama 4 runs one shared expert of the routed width beside its routed experts.
+            default=1 if f.has("shared_expert_intermediate_size") or llama4 else 0,
         )
         sparse = 3 * hidden * (expert_size * top_k + shared_size * shared_count) + hidden * experts
         macs += num_sparse * sparse
@@ -258,32 +319,85 @@ def _mlp(f: _Fields, hidden: int, layers: int) -> tuple[int, dict[str, Any]]:
     return macs, fields
 
 
-def _sliding_layers(f: _Fields, layers: int) -> tuple[int, int | None]:
-    """Number of sliding-window layers and the window (None when no layer slides)."""
+def _layer_kinds(f: _Fields, layers: int) -> tuple[str, ...]:
+    """Every layer's attention kind, from ``layer_types`` or the sliding-window fields."""
     if f.has("layer_types"):
-        kinds = f.choices("layer_types", _ATTENTION_KINDS, layers)
-        num_sliding = kinds.count("sliding_attention")
-    elif f.has("use_sliding_window"):
+        return f.choices("layer_types", _ATTENTION_KINDS, layers)
+    if f.has("use_sliding_window"):
         flag = f.data["use_sliding_window"]
         if not isinstance(flag, bool):
             raise ConfigError(
                 f"{f.name('use_sliding_window')} must be True or False, but got {flag!r}."
             )
         # Limit: every layer slides; a max_window_layers split needs an explicit layer_types.
-        num_sliding = layers if flag else 0
-    elif f.has("sliding_window"):
+        return ("sliding_attention" if flag else "full_attention",) * layers
+    if f.has("sliding_window") and f.data.get("model_type") in _EVERY_LAYER_SLIDES:
+        return ("sliding_attention",) * layers
+    if f.has("sliding_window"):
         raise ConfigError(
             f"{f.name('sliding_window')}={f.data['sliding_window']!r} is set but neither "
             "layer_types nor use_sliding_window says which layers use it; set "
             "use_sliding_window=True (every layer) or layer_types (per layer), or set "
             "sliding_window to None."
         )
-    else:
-        num_sliding = 0
-    if num_sliding == 0:
-        return 0, None
-    f.require("sliding_window", why="by the sliding-attention layers")
-    return num_sliding, f.integer("sliding_window", minimum=1)
+    return ("full_attention",) * layers
+
+
+def _linear_attention(f: _Fields, hidden: int) -> tuple[int, dict[str, Any]]:
+    """MACs per token of one linear-attention (gated delta rule) layer, and its fields.
+
+    Input projections ``H·(2·Kh·dk + 2·Vh·dv + 2·Vh)`` (q, k, v, the output gate z, and the
+    per-head decay and step size), a depthwise causal convolution ``(2·Kh·dk + Vh·dv)·K``,
+    the recurrence ``3·Vh·dk·dv`` (read, rank-one update and output of a ``dk x dv`` state
+    per value head) and the output projection ``Vh·dv·H``. All linear in length.
+    """
+    keys = (
+        "linear_num_key_heads",
+        "linear_key_head_dim",
+        "linear_num_value_heads",
+        "linear_value_head_dim",
+        "linear_conv_kernel_dim",
+    )
+    f.require(*keys, why="by the linear_attention layers")
+    kh, dk, vh, dv, kernel = (f.integer(key, minimum=1) for key in keys)
+    macs = (
+        hidden * (2 * kh * dk + 2 * vh * dv + 2 * vh)
+        + (2 * kh * dk + vh * dv) * kernel
+        + 3 * vh * dk * dv
+        + vh * dv * hidden
+    )
+    return macs, dict(zip(keys, (kh, dk, vh, dv, kernel), strict=True))
+
+
+def _chunked_pairs(n: float, chunk: float) -> float:
+    """Query-key pairs of a causal sequence of ``n`` tokens attending within chunks."""
+    full, rest = divmod(n, chunk)
+    return full * 0.5 * chunk * chunk + 0.5 * rest * rest
+
+
+def _check_model_type(f: _Fields, top: _Fields) -> str | None:
+    wrapped = top.data is not f.data
+    if wrapped and top.has("model_type") and top.data["model_type"] not in WRAPPER_TYPES:
+        raise ConfigError(
+            f"{top.name('model_type')}={top.data['model_type']!r} is not a model this cost "
+            f"knows; known multimodal wrappers are {list(WRAPPER_TYPES)!r}. Pass the language "
+            "model's own config (or remove model_type to read the fields generically)."
+        )
+    if not f.has("model_type"):
+        return None
+    model_type = f.data["model_type"]
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(
+            f"{f.name('model_type')}={model_type!r} is not a model this cost knows; known "
+            f"backbones are {list(MODEL_TYPES)!r}. Remove model_type to read the fields "
+            "generically only if the architecture adds no cost beyond them."
+        )
+    if f.data.get("use_bidirectional_attention"):
+        raise ConfigError(
+            f"{f.name('use_bidirectional_attention')}=True is not modelled (every query would "
+            "see the whole sample); set it to False or use another cost model."
+        )
+    return str(model_type)
 
 
 def _windowed_pairs(n: float, window: float) -> float:
@@ -321,6 +435,7 @@ class FlopsCost:
         else:
             f = _Fields(top, "model_config")
         top_fields = _Fields(top, "model_config")
+        model_type = _check_model_type(f, top_fields)
         f.require(
             "hidden_size", "num_hidden_layers", "num_attention_heads", why="by every backbone"
         )
@@ -328,8 +443,21 @@ class FlopsCost:
         layers = f.integer("num_hidden_layers", minimum=1)
         heads = f.integer("num_attention_heads", minimum=1)
         proj, d_qk, d_v, attention_fields = _attention(f, hidden, heads)
+        if model_type in _GATED_QUERY:
+            proj += hidden * heads * d_qk  # the query projection also yields an output gate
         mlp_macs, mlp_fields = _mlp(f, hidden, layers)
-        num_sliding, window = _sliding_layers(f, layers)
+        kinds = _layer_kinds(f, layers)
+        num_sliding = kinds.count("sliding_attention")
+        num_chunked = kinds.count("chunked_attention")
+        num_linear = kinds.count("linear_attention")
+        window = chunk = None
+        if num_sliding:
+            f.require("sliding_window", why="by the sliding-attention layers")
+            window = f.integer("sliding_window", minimum=1)
+        if num_chunked:
+            f.require("attention_chunk_size", why="by the chunked-attention layers")
+            chunk = f.integer("attention_chunk_size", minimum=1)
+        linear_macs, linear_fields = _linear_attention(f, hidden) if num_linear else (0, {})
         modes: dict[str, str] = {}
         for key, allowed, default in (
             ("attn_block_mode", _ATTN_BLOCK_MODES, "tail"),
@@ -341,18 +469,21 @@ class FlopsCost:
                     f"{top_fields.name(key)} must be one of {allowed!r}, but got {value!r}."
                 )
             modes[key] = value
-        if num_sliding and modes["attn_block_mode"] == "blockmask":
+        if (num_sliding or num_chunked) and modes["attn_block_mode"] == "blockmask":
             raise ConfigError(
-                "model_config['attn_block_mode']='blockmask' together with sliding-window layers "
-                "is not modelled; use attn_block_mode='tail' or full attention."
+                "model_config['attn_block_mode']='blockmask' together with sliding-window or "
+                "chunked layers is not modelled; use attn_block_mode='tail' or full attention."
             )
 
         pair_flops = 2 * heads * (d_qk + d_v)
-        self._linear = float(2 * (layers * proj + mlp_macs))
-        self._attention = float(layers * pair_flops)
-        self._full_coef = float((layers - num_sliding) * pair_flops)
+        num_softmax = layers - num_linear
+        self._linear = float(2 * (num_softmax * proj + num_linear * linear_macs + mlp_macs))
+        self._attention = float(num_softmax * pair_flops)
+        self._full_coef = float((num_softmax - num_sliding - num_chunked) * pair_flops)
         self._sliding_coef = float(num_sliding * pair_flops)
+        self._chunked_coef = float(num_chunked * pair_flops)
         self._window = float(window) if window is not None else math.inf
+        self._chunk = float(chunk) if chunk is not None else math.inf
         self._prepend = modes["diff_time_embed_mode"] == "prepend"
         self._blockmask = modes["attn_block_mode"] == "blockmask"
         self.training_multiplier = multiplier
@@ -366,6 +497,13 @@ class FlopsCost:
             "sliding_window": window,
             **modes,
         }
+        # Added only when used, so the identity of a model without them is unchanged.
+        if model_type is not None:
+            self._fields["model_type"] = model_type
+        if num_chunked:
+            self._fields.update(num_chunked_layers=num_chunked, attention_chunk_size=chunk)
+        if num_linear:
+            self._fields.update(num_linear_attention_layers=num_linear, **linear_fields)
         blob = json.dumps(
             {"fields": self._fields, "training_multiplier": multiplier}, sort_keys=True
         )
@@ -378,8 +516,17 @@ class FlopsCost:
 
     @property
     def attention_flops_per_pair(self) -> float:
-        """Forward attention FLOPs per query-key pair, summed over layers (``2·L·A·(d_qk+d_v)``)."""
+        """Forward attention FLOPs per query-key pair, summed over the softmax-attention layers
+        (``2·L_a·A·(d_qk+d_v)``; linear-attention layers have no pairs)."""
         return self._attention
+
+    #: The two terms :meth:`cost_terms` returns (what :class:`CalibratedCost` fits apart).
+    term_names: tuple[str, ...] = ("linear", "attention")
+
+    def cost_terms(self, meta: SampleMetadata) -> tuple[float, float]:
+        """The cost split into its linear-layer and attention parts (they sum to the cost)."""
+        linear, attention = self._forward_parts(meta)
+        return self.training_multiplier * linear, self.training_multiplier * attention
 
     @property
     def model_id(self) -> str:
@@ -393,6 +540,10 @@ class FlopsCost:
 
     def forward_flops(self, meta: SampleMetadata) -> float:
         """Forward FLOPs of one sample."""
+        linear, attention = self._forward_parts(meta)
+        return linear + attention
+
+    def _forward_parts(self, meta: SampleMetadata) -> tuple[float, float]:
         features = meta.features
         prefix, generated = _token_split(features, meta.tokens) if features else (meta.tokens, 0)
         if generated and self._prepend:
@@ -401,15 +552,19 @@ class FlopsCost:
         full_pairs = 0.5 * prefix * prefix + generated * total
         if self._blockmask:
             full_pairs += 0.5 * _block_squares(features, prefix)
-        flops = self._linear * total + self._full_coef * full_pairs
+        attention = self._full_coef * full_pairs
         if self._sliding_coef:
             # The window caps the keys each query sees: prefix queries are causal, generated
             # queries see the whole sample; with a window >= total this equals full_pairs.
             sliding_pairs = _windowed_pairs(prefix, self._window) + generated * min(
                 total, self._window
             )
-            flops += self._sliding_coef * sliding_pairs
-        return flops
+            attention += self._sliding_coef * sliding_pairs
+        if self._chunked_coef:
+            # Limit: chunked layers are modelled causal over the whole sample (prefix and
+            # generated tokens alike), each query seeing its own chunk.
+            attention += self._chunked_coef * _chunked_pairs(total, self._chunk)
+        return self._linear * total, attention
 
     def __call__(self, meta: SampleMetadata) -> float:
         return self.training_multiplier * self.forward_flops(meta)
