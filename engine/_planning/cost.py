@@ -200,8 +200,12 @@ def resolve_cost_model(value: object) -> CostModel:
 
     ``None`` → :class:`QuadraticCost` with defaults; ``"tokens"`` / ``"quadratic"`` → the named
     model; a mapping or a configuration object with ``to_dict()`` (a Hugging Face model
-    config) → :class:`~evenflow.engine.FlopsCost`; any other callable → itself.
+    config) → :class:`~evenflow.engine.FlopsCost`; a :class:`~evenflow.engine.CalibratedCost`
+    → a fresh copy of it (its coefficients change as it calibrates, so every planner owns
+    one); any other callable → itself.
     """
+    if getattr(type(value), "_evenflow_calibrated", False):
+        return value.for_planner()  # type: ignore[no-any-return, union-attr]
     if value is None:
         return QuadraticCost()
     if isinstance(value, str):
@@ -315,6 +319,9 @@ def evaluate_costs(
     models ignore it.
     """
     metas = _check_inputs(metas, keys)
+    if getattr(type(model), "_evenflow_calibrated", False):
+        # A calibrated model evaluates its feature matrix in one pass.
+        return model.evaluate(metas, keys=keys, tokens=tokens)  # type: ignore[attr-defined, no-any-return]
     if type(model) is TokenCost or type(model) is QuadraticCost:
         # Exact built-in models: one vectorised pass, same arithmetic order as their __call__.
         lengths = _token_vector(metas, tokens)
