@@ -23,9 +23,12 @@ if TYPE_CHECKING:
         default_pack_fn,
     )
     from evenflow.engine._pipeline.pass_report import PassSummary, RankUnread, UnevenEnd
+    from evenflow.engine._pipeline.calibration import CalibrationStats
     from evenflow.engine._pipeline.stats import StepStats
     from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
+    from evenflow.engine._planning.calibration import CalibratedCost
     from evenflow.engine._planning.flops import FlopsCost
+    from evenflow.engine._planning.vision import VisionLanguageCost
     from evenflow.engine._planning.lpt import LPTAlgorithm
     from evenflow.engine._planning.planner import Planner
     from evenflow.engine._planning.problem import BalanceProblem, BalancingAlgorithm, FlatLayout
@@ -44,6 +47,8 @@ _LAZY: dict[str, str] = {
     "QuadraticCost": "evenflow.engine._planning.cost",
     "ComponentCost": "evenflow.engine._planning.cost",
     "FlopsCost": "evenflow.engine._planning.flops",
+    "CalibratedCost": "evenflow.engine._planning.calibration",
+    "VisionLanguageCost": "evenflow.engine._planning.vision",
     # balancing
     "BalancingAlgorithm": "evenflow.engine._planning.problem",
     "BalanceProblem": "evenflow.engine._planning.problem",
@@ -61,6 +66,7 @@ _LAZY: dict[str, str] = {
     "build_loader": "evenflow.engine._distributed.build",
     "DistributedLoader": "evenflow.engine._distributed.loader",
     "StepStats": "evenflow.engine._pipeline.stats",
+    "CalibrationStats": "evenflow.engine._pipeline.calibration",
     "LossTokens": "evenflow.engine._pipeline.loss_tokens",
     "PassSummary": "evenflow.engine._pipeline.pass_report",
     "RankUnread": "evenflow.engine._pipeline.pass_report",
@@ -82,6 +88,8 @@ __all__ = [
     "BalancedLoader",
     "BalancingAlgorithm",
     "BinPlan",
+    "CalibratedCost",
+    "CalibrationStats",
     "ComponentCost",
     "CostModel",
     "DatasetSource",
@@ -110,6 +118,7 @@ __all__ = [
     "TokenCost",
     "Tracer",
     "UnevenEnd",
+    "VisionLanguageCost",
     "build_loader",
     "count_loss_tokens",
     "default_collate_fn",

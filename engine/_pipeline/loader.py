@@ -11,6 +11,12 @@ from typing import Any, TypeVar
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._logging import show_info_lines
+from evenflow.engine._pipeline.calibration import (
+    CalibrationStats,
+    calibration_state,
+    group_calibration,
+    load_calibration,
+)
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
 from evenflow.engine._pipeline.loop_thread import lowered_niceness, nice_initializer
@@ -130,6 +136,13 @@ class BalancedLoader(LoaderFacade):
         self._pack_fn = parts.pack_fn
         self._collate_fn = parts.collate_fn
         self._planner = parts.planner
+        self._calibration = group_calibration(
+            self._planner,
+            rank=self._transport.rank,
+            num_ranks=self._transport.num_ranks,
+            bins_per_rank=config.bins_per_rank,
+            lag=config.prefetch_depth + config.balance_window + 1,
+        )
         self._stager = parts.stager
         self._tracer = parts.tracer
         self._tracer.bind(self._transport.global_ranks[self._transport.rank])
@@ -335,6 +348,37 @@ class BalancedLoader(LoaderFacade):
             return future.result()
         return self._launcher.pump_blocking(future, self._config.timeout)
 
+    # -- calibration ----------------------------------------------------------------------------
+
+    def record_compute(self, seconds: float, *, bin: int | None = None) -> None:
+        """Report the compute the last step delivered took on this rank, for calibration.
+
+        ``seconds``: measured forward + backward time of one bin (``bin``, its index among
+        this rank's ``bins_per_rank``) or of all of the step's bins (``bin=None``), without
+        waiting on other ranks (time before the gradient all-reduce, or with device events).
+        Only a :class:`~evenflow.engine.CalibratedCost` uses it; with another cost model this
+        raises. Call it before the next ``next()``: a measurement recorded later may arrive
+        after its step and be counted late. Non-finite, zero or negative seconds are accepted
+        and counted as refused (see :attr:`calibration_stats`), never fitted.
+        """
+        if self._calibration is None:
+            raise ConfigError(
+                "record_compute() needs cost_model=CalibratedCost(...); this loader's cost "
+                f"model is {self._planner.cost_model_id!r}, which does not calibrate."
+            )
+        if self._delivered == self._first_step:
+            raise LoaderStateError(
+                "record_compute() measures the last step delivered, but this pass has not "
+                "delivered a step yet; call it after next()."
+            )
+        self._calibration.record(self._delivered - 1, seconds, bin)
+
+    @property
+    def calibration_stats(self) -> CalibrationStats | None:
+        """How well the calibrated cost model predicts measured compute (None without
+        :class:`~evenflow.engine.CalibratedCost`)."""
+        return None if self._calibration is None else self._calibration.stats()
+
     # -- epochs and resume -------------------------------------------------------------------
 
     async def _restart_pass(self) -> None:
@@ -345,6 +389,8 @@ class BalancedLoader(LoaderFacade):
         await self._close_pass()
 
     def _reset_pass(self, epoch: int) -> None:
+        if self._calibration is not None:
+            self._calibration.new_pass()
         self._meter.pause()
         self._restored = None
         self._epoch = epoch
@@ -388,7 +434,7 @@ class BalancedLoader(LoaderFacade):
             # The last window ended early and every step of it was delivered: a longer run
             # (or other ranks) continues after it, never plans its steps with later ones.
             read_from, source_state = step, self._source_after
-        return loader_state(
+        state = loader_state(
             epoch=self._epoch,
             step=step,
             identity=self.identity(for_resume=True),
@@ -399,6 +445,11 @@ class BalancedLoader(LoaderFacade):
             group=list(transport.global_ranks),
             read_from=read_from,
         )
+        if self._calibration is not None:
+            state["calibration"] = calibration_state(
+                self._calibration, read_from, _process_rank(transport)
+            )
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by :meth:`state_dict`; only before iteration starts.
@@ -426,6 +477,8 @@ class BalancedLoader(LoaderFacade):
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(self._epoch)
+        if self._calibration is not None:
+            load_calibration(self._calibration, state, _process_rank(transport))
         self._restored = restore
         self._first_step = self._delivered = restore.step
         self._read_from = restore.read_from
@@ -476,6 +529,7 @@ class BalancedLoader(LoaderFacade):
             world=WorldRound(self._world_transport, on_uneven_end=self._config.on_uneven_end),
             assigned=self._assigned,
             dataset=self._dataset,
+            calibration=self._calibration,
         )
         if self._launcher is not None:
             self._launcher.on_final = lambda op: (

@@ -59,6 +59,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
+from evenflow.engine._pipeline.calibration import GroupCalibration
 from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
 from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
 from evenflow.engine._pipeline.plan_stage import PlanStage
@@ -120,6 +121,7 @@ class Pipeline:
         world: WorldRound | None = None,
         assigned: AssignedReader | None = None,
         dataset: dict[str, Any] | None = None,
+        calibration: GroupCalibration | None = None,
     ) -> None:
         self._reader = SourceReader(
             source=source,
@@ -164,7 +166,9 @@ class Pipeline:
             cpu_executor=cpu_executor,
             on_group_failure=self._group_failed,
             on_local_failure=self._abort_after_local_planning_failure,
+            calibration=calibration,
         )
+        self._calibration = calibration
         depth = config.prefetch_depth + self._window
         self._slots = asyncio.Semaphore(depth)
         self._world = world if world is not None else WorldRound(None, on_uneven_end="stop")
@@ -543,6 +547,11 @@ class Pipeline:
         msg = build_message(state, self._rank, self.first_step, self._budget_names, prev)
         if state.step == self._read_from:
             msg["dataset"] = self._dataset
+        if self._calibration is not None and state.status == "ok":
+            # Measured rows ride the round every rank gathers anyway (no collective of their own).
+            rows = self._calibration.outgoing(state.step)
+            if rows is not None:
+                msg["calib"] = rows
         if state.prepared is not None and state.status == "ok":
             # Frame sizes: every receiver sizes its exchange buffer from them and the plan.
             msg["nbytes"] = np.fromiter(

@@ -18,6 +18,7 @@ import concurrent.futures
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from evenflow.engine._pipeline.calibration import GroupCalibration
 from evenflow.engine._pipeline.routes import RankRoutes
 from evenflow.engine._pipeline.sequencer import Sequencer
 from evenflow.engine._pipeline.stats import StepStats
@@ -53,8 +54,12 @@ class PlanStage:
         cpu_executor: concurrent.futures.Executor,
         on_group_failure: Callable[[StepState, BaseException, str], Awaitable[None]],
         on_local_failure: Callable[[StepState, BaseException], Awaitable[None]],
+        calibration: GroupCalibration | None = None,
     ) -> None:
         self._planner = planner
+        # Online calibration: every rank feeds each step's rows in before the step is planned
+        # and notes its own bins once the plan is known (see _pipeline/calibration.py).
+        self._calibration = calibration
         self._transport = transport
         self._sequencer = sequencer
         self._leader = leader
@@ -71,6 +76,8 @@ class PlanStage:
         if state.terminal:
             return
         messages = state.messages
+        if self._calibration is not None and messages is not None:
+            await self._ingest([state])
         if messages is not None and (not self._leader or self._rank == 0):
             loop = asyncio.get_running_loop()
             try:
@@ -86,6 +93,24 @@ class PlanStage:
         if self._leader:
             await self._broadcast_plan(state)
         await self._sequencer.advance(state.step, "broadcast")
+        self._note_plans([state])
+
+    async def _ingest(self, states: list[StepState]) -> None:
+        calibration = self._calibration
+        assert calibration is not None
+        loop = asyncio.get_running_loop()
+        for state in states:
+            if state.messages is not None:
+                await loop.run_in_executor(
+                    self._cpu, calibration.ingest, state.step, state.messages
+                )
+
+    def _note_plans(self, states: list[StepState]) -> None:
+        if self._calibration is None:
+            return
+        for state in states:
+            if state.routes is not None and state.error is None and state.remote is None:
+                self._calibration.note_plan(state.step, state.routes, state.step_messages())
 
     def _plan_sync(self, step: int, messages: list[dict[str, Any]]) -> _Planned:
         return plan_step(
@@ -136,6 +161,8 @@ class PlanStage:
         """
         first = states[0].step
         messages = [s.messages for s in states]
+        if self._calibration is not None:
+            await self._ingest(states)
         if all(m is not None for m in messages) and (not self._leader or self._rank == 0):
             loop = asyncio.get_running_loop()
             try:
@@ -157,6 +184,7 @@ class PlanStage:
         if self._leader:
             await self._broadcast_window(states)
         await self._sequencer.advance(first, "broadcast")
+        self._note_plans(states)
 
     def _plan_window_sync(self, first: int, messages: list[Any]) -> list[_Planned]:
         columns = [peer_columns(m, self._budget_names) for m in messages]
