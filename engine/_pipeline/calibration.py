@@ -130,10 +130,11 @@ class GroupCalibration:
         self._ingested = -1
         self._snapshots: dict[int, dict[str, Any]] = {}
         self.num_late = 0
-        self._errors: list[tuple[int, float]] = []
+        # Statistics, each entry tagged with the round that produced it, so that ranks which
+        # ingested different numbers of rounds ahead still report alike for a delivered step.
+        self._errors: list[tuple[int, int, float]] = []  # (round, step, error)
         self._steps: dict[int, np.ndarray] = {}  # step -> per rank [seconds, predicted, bins]
-        self._imbalance: list[tuple[int, float, float]] = []
-        self._warned = False
+        self._imbalance: list[tuple[int, int, float, float]] = []
 
     @property
     def _keep(self) -> int:
@@ -232,7 +233,7 @@ class GroupCalibration:
             if due:
                 due.sort(key=lambda row: (row[0], row[1], row[2]))
                 rows = np.stack(due)
-                self._observe(rows)
+                self._observe(round_, rows)
                 self.calibrator.add_rows(rows)
             if round_ > 0 and round_ % self.model.refit_every == 0:
                 self.calibrator.refit(round_)
@@ -254,7 +255,7 @@ class GroupCalibration:
             else:
                 self._pending.append(np.concatenate([row[:1], [sender], row[1:]]))
 
-    def _observe(self, rows: np.ndarray) -> None:
+    def _observe(self, round_: int, rows: np.ndarray) -> None:
         """Prediction errors of rows about to enter the fit, under the coefficients in force."""
         coef = self.model.coefficients
         seconds, features = rows[:, 3], rows[:, 4:]
@@ -269,7 +270,8 @@ class GroupCalibration:
         )
         scaled = [scale * c for c in coef]
         errors = relative_errors(features[good], seconds[good], scaled)
-        self._errors.extend(zip(rows[good, 0].astype(int).tolist(), errors.tolist(), strict=True))
+        steps = rows[good, 0].astype(int).tolist()
+        self._errors.extend((round_, s, e) for s, e in zip(steps, errors.tolist(), strict=True))
         del self._errors[:-_KEEP_ERRORS]
         predicted = features[good] @ np.asarray(scaled)
         for row, guess in zip(rows[good], predicted.tolist(), strict=True):
@@ -282,6 +284,7 @@ class GroupCalibration:
                 measured, predicted_ranks = table[:, 0], table[:, 1]
                 self._imbalance.append(
                     (
+                        round_,
                         step,
                         float(measured.max() / measured.mean()),
                         float(predicted_ranks.max() / predicted_ranks.mean()),
@@ -292,25 +295,27 @@ class GroupCalibration:
         for old in [s for s in self._steps if s < int(rows[-1, 0]) - self._keep]:
             del self._steps[old]
 
-    def stats(self, window: int = 64) -> CalibrationStats:
+    def stats(self, step: int, window: int = 64) -> CalibrationStats:
+        """Statistics as of ``step`` (the last delivered): what every rank had fitted by then."""
         with self._lock:
-            errors = tuple(self._errors)
-            imbalance = tuple(self._imbalance)
-            cal = self.calibrator
+            errors = tuple((s, e) for r, s, e in self._errors if r <= step)
+            imbalance = tuple((s, m, p) for r, s, m, p in self._imbalance if r <= step)
+            state = self._snapshots.get(step + 1) or self._shared()
+            fitted = state["calibrator"]
             recent = np.array([e for _, e in errors[-window:]], dtype=np.float64)
             steps = np.array([(m, p) for _, m, p in imbalance[-window:]], dtype=np.float64)
             return CalibrationStats(
                 feature_names=self.model.feature_names,
-                coefficients=self.model.coefficients,
+                coefficients=tuple(fitted["coefficients"]),
                 median_error=float(np.median(recent)) if recent.size else math.nan,
                 p90_error=float(np.quantile(recent, 0.9)) if recent.size else math.nan,
                 measured_imbalance=float(steps[:, 0].mean()) if steps.size else math.nan,
                 predicted_imbalance=float(steps[:, 1].mean()) if steps.size else math.nan,
                 num_rows=len(errors),
-                num_refused=cal.num_refused,
-                num_late=self.num_late,
-                num_fits=cal.num_fits,
-                num_accepted=cal.num_accepted,
+                num_refused=int(fitted["refused"]),
+                num_late=int(state["late"]),
+                num_fits=int(fitted["fits"]),
+                num_accepted=int(fitted["accepted"]),
                 errors=errors,
                 imbalance=imbalance,
             )

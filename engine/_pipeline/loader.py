@@ -377,7 +377,9 @@ class BalancedLoader(LoaderFacade):
     def calibration_stats(self) -> CalibrationStats | None:
         """How well the calibrated cost model predicts measured compute (None without
         :class:`~evenflow.engine.CalibratedCost`)."""
-        return None if self._calibration is None else self._calibration.stats()
+        if self._calibration is None:
+            return None
+        return self._calibration.stats(self._delivered - 1)
 
     # -- epochs and resume -------------------------------------------------------------------
 

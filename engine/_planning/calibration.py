@@ -52,8 +52,9 @@ class CalibratedCost:
     cost itself as one term). :class:`TokenCost` and :class:`QuadraticCost` (and ``None``,
     the default quadratic) bring no term of their own: they *are* ``L`` and ``L²``.
 
-    The coefficients start at the base model (so the first plans are the base model's) and
-    change only when a loader refits them: every ``refit_every`` steps from the last
+    The coefficients start at the base model (so the first plans are the base model's), or
+    at ``initial`` (one per :attr:`feature_names` entry, e.g. from timings taken at start-up),
+    and change only when a loader refits them: every ``refit_every`` steps from the last
     ``history`` measured rows, once at least ``min_rows`` are held (see
     :meth:`BalancedLoader.record_compute`). The configuration enters :attr:`model_id`; the
     coefficients do not (they travel in the loader's state instead), so ranks and restores
@@ -70,6 +71,7 @@ class CalibratedCost:
         refit_every: int = 10,
         history: int = 512,
         min_rows: int = 32,
+        initial: Sequence[float] | None = None,
     ) -> None:
         if isinstance(base, CalibratedCost):
             raise ConfigError(
@@ -85,19 +87,26 @@ class CalibratedCost:
                 f"CalibratedCost.min_rows={min_rows} exceeds history={history}: a refit could "
                 "never hold enough rows; lower min_rows or raise history."
             )
-        self._terms, initial = _base_terms(self.base)
+        self._terms, from_base = _base_terms(self.base)
         self.feature_names: tuple[str, ...] = (*BASE_FEATURES, *self._terms)
-        self.initial: tuple[float, ...] = initial
-        self._coefficients: tuple[float, ...] = initial
-        self._vector = np.asarray(initial[1:], dtype=np.float64)
+        self._given = initial is not None
+        start = (
+            from_base
+            if initial is None
+            else check_coefficients(initial, len(self.feature_names), "CalibratedCost.initial")
+        )
+        self.initial: tuple[float, ...] = start
+        self._coefficients: tuple[float, ...] = start
+        self._vector = np.asarray(start[1:], dtype=np.float64)
 
     # -- identity and coefficients --------------------------------------------------------------
 
     @property
     def model_id(self) -> str:
+        start = f",initial={list(self.initial)!r}" if self._given else ""
         return (
             f"calibrated-v1(base={_cost.cost_model_id(self.base)},refit_every={self.refit_every},"
-            f"history={self.history},min_rows={self.min_rows})"
+            f"history={self.history},min_rows={self.min_rows}{start})"
         )
 
     @property
@@ -119,7 +128,11 @@ class CalibratedCost:
         """A fresh copy with the initial coefficients: each planner owns its own, so loaders
         built from one configured object (e.g. ranks as threads) never share coefficients."""
         return CalibratedCost(
-            self.base, refit_every=self.refit_every, history=self.history, min_rows=self.min_rows
+            self.base,
+            refit_every=self.refit_every,
+            history=self.history,
+            min_rows=self.min_rows,
+            initial=self.initial if self._given else None,
         )
 
     # -- evaluation -----------------------------------------------------------------------------
@@ -419,7 +432,9 @@ class Calibrator:
         candidate = fit_coefficients(features[train], seconds[train])
         self.num_fits += 1
         current = self.model.coefficients
-        scale = best_scale(features[train], seconds[train], current)
+        # The model in force gets its best scale on the held-out rows themselves: an edge
+        # that a candidate must overcome, so a change happens only on clear evidence.
+        scale = best_scale(features[held], seconds[held], current)
         current_error = _median(
             relative_errors(features[held], seconds[held], [scale * c for c in current]).tolist()
         )

@@ -7,8 +7,11 @@ time, so that other jobs on a shared machine do not enter the model. The ranks a
 their timings and each fits the same :class:`FittedCost`. The fit has five terms with a
 physical meaning (per bin, per sample, per token, per query-key pair, and a cubic one for
 attention outgrowing the caches), so a noisy timing moves a coefficient a little instead of
-bending an interpolated curve. The demo then checks the fit
-against the compute it measures while training, and says so when they disagree.
+bending an interpolated curve. The fit is the library's
+(:func:`~evenflow.engine._planning.calibration.fit_coefficients`, the one online calibration
+uses), and the loaders start from it and keep calibrating while training
+(:meth:`FittedCost.calibrated`). The demo then checks the start-up fit against the compute it
+measures while training, and says so when they disagree.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import torch
 
 from evenflow.engine._model import SampleMetadata
 from evenflow.engine._pipeline.pack import IGNORE_INDEX
+from evenflow.engine._planning.calibration import CalibratedCost, fit_coefficients
 from evenflow.engine._tools.demo.model import TinyCausalLM, packed_loss
 from evenflow.engine._validate import check_int
 
-__all__ = ["FittedCost", "calibration_bins", "time_bins"]
+__all__ = ["CubicTerm", "FittedCost", "calibration_bins", "time_bins"]
 
 
 def calibration_bins(seq_len: int) -> list[list[int]]:
@@ -110,6 +114,22 @@ def _features(lengths: Sequence[int]) -> list[float]:
     ]
 
 
+class CubicTerm:
+    """``L³``: the one term the demo's cost adds to :class:`CalibratedCost`'s own features
+    (per bin, per sample, ``L``, ``L²``), so that the five terms of :class:`FittedCost` are
+    the calibrated model's features, in the same order."""
+
+    model_id = "demo-tokens-cubed-v1"
+    term_names: tuple[str, ...] = ("per_token_cube",)
+
+    def cost_terms(self, meta: SampleMetadata) -> tuple[float]:
+        n = float(meta.tokens)
+        return (n * n * n,)
+
+    def __call__(self, meta: SampleMetadata) -> float:
+        return self.cost_terms(meta)[0]
+
+
 class FittedCost:
     """Seconds of forward + backward of a sample of ``L`` tokens, fitted to timed bins.
 
@@ -144,7 +164,7 @@ class FittedCost:
 
     @classmethod
     def fit(cls, bins: Sequence[Sequence[int]], seconds: Sequence[float]) -> FittedCost:
-        """Least squares on ``seconds`` (relative error), coefficients clamped at zero."""
+        """The library's robust non-negative fit on ``seconds`` (relative error)."""
         if len(bins) != len(seconds) or len(bins) < len(_TERMS):
             raise ValueError(
                 f"fit needs one timing per bin and at least {len(_TERMS)} bins, but got "
@@ -153,21 +173,16 @@ class FittedCost:
         if any(not (s > 0 and math.isfinite(s)) for s in seconds):
             raise ValueError(f"seconds must be positive and finite, but got {list(seconds)!r}.")
         t = np.asarray(seconds, dtype=np.float64)
-        x = np.array([_features(b) for b in bins], dtype=np.float64) / t[:, None]
-        # Columns scaled to unit norm: L³ reaches 1e9 where a bin count is 1.
-        norms = np.linalg.norm(x, axis=0)
-        norms[norms == 0] = 1.0
-        x = x / norms
-        active = list(range(len(_TERMS)))
-        coef = np.zeros(len(_TERMS))
-        while active:  # drop the most negative term until none is negative (a tiny NNLS)
-            solution, *_ = np.linalg.lstsq(x[:, active], np.ones(len(t)), rcond=None)
-            if solution.min() >= 0:
-                coef[active] = solution
-                break
-            active.pop(int(np.argmin(solution)))
-        coef = coef / norms
-        return cls(**dict(zip(_TERMS, (float(c) for c in coef), strict=True)))
+        x = np.array([_features(b) for b in bins], dtype=np.float64)
+        result = fit_coefficients(x, t)
+        if result is None:
+            raise ValueError(f"The timed bins {list(bins)!r:.120} determine no coefficient.")
+        return cls(**dict(zip(_TERMS, result.coefficients, strict=True)))
+
+    def calibrated(self, *, refit_every: int = 10) -> CalibratedCost:
+        """A :class:`CalibratedCost` that starts from this fit and keeps calibrating online
+        from the compute the training loop reports (``BalancedLoader.record_compute``)."""
+        return CalibratedCost(CubicTerm(), initial=self._values, refit_every=refit_every)
 
     def __call__(self, meta: SampleMetadata) -> float:
         n = float(meta.tokens)

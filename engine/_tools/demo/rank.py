@@ -104,15 +104,17 @@ def _cost_model(spec: dict[str, Any], model: TinyCausalLM) -> tuple[Any, dict[st
     dist.all_reduce(local)  # the training group: every rank fits the same numbers
     seconds = (local / dist.get_world_size()).tolist()
     fitted = FittedCost.fit(bins, seconds)
-    detail = {
+    detail: dict[str, Any] = {
         "name": "calibrated",
         "formula": fitted.describe(),
         "coefficients": fitted.as_dict(),
         "bins": [[len(b), b[0]] for b in bins],
         "seconds": seconds,
         "calibration_s": time.perf_counter() - started,
+        "online": True,
     }
-    return fitted, detail
+    # The loaders start from the start-up fit and keep fitting what training measures.
+    return fitted.calibrated(), detail
 
 
 class _Arm:
@@ -156,6 +158,7 @@ class _Arm:
             algorithm=spec["algorithm"],
             tracer=self.tracer,
         )
+        self.calibrates = self.loader.calibration_stats is not None
         self.iterator = iter(self.loader)
         self.steps: list[dict[str, Any]] = []
         self.stats: list[dict[str, Any]] = []
@@ -187,6 +190,8 @@ class _Arm:
             loss_sum += float(loss.item())
             lengths = torch.diff(cu).tolist()
             bins.append([lengths, time.thread_time() - b0])
+            if self.calibrates:
+                self.loader.record_compute(bins[-1][1], bin=len(bins) - 1)
             tokens += int(packed["input_ids"].numel())
             samples += len(lengths)
         t2, cpu2 = time.perf_counter(), time.thread_time()
@@ -232,6 +237,7 @@ class _Arm:
         """Close the loader (writes this rank's Chrome trace) and return the arm's record."""
         import asyncio
 
+        calibration = self.loader.calibration_stats if self.steps else None
         try:
             self.loader.close()
         finally:
@@ -240,6 +246,14 @@ class _Arm:
             "steps": self.steps,
             "stats": self.stats,
             "chrome": str(self.tracer.chrome_path) if self.tracer.chrome_path else None,
+            "calibration": None
+            if calibration is None
+            else {
+                "coefficients": list(calibration.coefficients),
+                "median_error": calibration.median_error,
+                "p90_error": calibration.p90_error,
+                "num_accepted": calibration.num_accepted,
+            },
         }
 
 
