@@ -183,7 +183,10 @@ CASES: dict[str, tuple[Any, float]] = {
         T.Phi3Config(**SMALL, sliding_window=32),
         train(4 * (gqa() + swiglu()), 4 * window(32)),
     ),
-    "phi4": (T.Phi3Config(**SMALL, sliding_window=None), train(4 * (gqa() + swiglu()), 4 * causal())),
+    "phi4": (
+        T.Phi3Config(**SMALL, sliding_window=None),
+        train(4 * (gqa() + swiglu()), 4 * causal()),
+    ),
     "phi3.5-moe": (
         T.PhimoeConfig(
             **{**SMALL, "intermediate_size": 96}, num_local_experts=4, num_experts_per_tok=2,
@@ -198,8 +201,9 @@ CASES: dict[str, tuple[Any, float]] = {
 def test_cost_matches_flops_counted_by_hand(name: str) -> None:
     config, expected = CASES[name]
     cost = FlopsCost(config)
-    assert cost(SampleMetadata(tokens=L)) == pytest.approx(expected, rel=1e-12)
-    assert cost(SampleMetadata(tokens=L)) == pytest.approx(sum(cost.cost_terms(SampleMetadata(tokens=L))))
+    meta = SampleMetadata(tokens=L)
+    assert cost(meta) == pytest.approx(expected, rel=1e-12)
+    assert cost(meta) == pytest.approx(sum(cost.cost_terms(meta)))
 
 
 def test_at_least_twelve_architectures_are_covered() -> None:

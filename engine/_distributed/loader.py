@@ -284,6 +284,17 @@ class DistributedLoader(LoaderFacade):
     def last_host_batch(self) -> Any:
         return self._inner.last_host_batch if self._inner is not None else self._last_host
 
+    # Calibration: the constructor measures for its data-parallel coordinate; a follower's
+    # measurement would repeat it, so it is not sent.
+    def record_compute(self, seconds: float, *, bin: int | None = None) -> None:
+        """``BalancedLoader.record_compute`` on a constructor; a no-op on a follower."""
+        if self._inner is not None:
+            self._inner.record_compute(seconds, bin=bin)
+
+    @property
+    def calibration_stats(self) -> Any:
+        return self._inner.calibration_stats if self._inner is not None else None
+
     def identity(self) -> dict[str, Any]:
         return dict(self._identity)
 

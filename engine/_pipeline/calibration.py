@@ -64,12 +64,12 @@ class CalibrationStats:
     ``coefficients`` (one per ``feature_names``) are those in force. Errors are relative,
     per measured row, of predictions made *before* the row was measured (the coefficients in
     force then, times the best common scale, since only ratios steer the planner):
-    ``median_error`` and ``p90_error`` over the last ``window`` rows. ``measured_imbalance``
-    and ``predicted_imbalance`` are the slowest rank over the mean rank, measured and
-    predicted, averaged over the last ``window`` steps every rank measured whole. Counts:
-    ``num_rows`` rows entered the fit, ``num_refused`` were refused (non-finite, zero or
-    negative seconds), ``num_late`` arrived after their step; ``num_fits`` refits ran and
-    ``num_accepted`` passed the guard. ``errors`` lists ``(step, error)`` per row and
+    ``median_error`` and ``p90_error`` over the last ``window`` rows of the current pass.
+    ``measured_imbalance`` and ``predicted_imbalance`` are the slowest rank over the mean
+    rank, measured and predicted, averaged over the last ``window`` steps every rank measured
+    whole. Counts: ``num_rows`` measured bins entered the fit in this pass, ``num_refused``
+    were refused (non-finite, zero or negative seconds), ``num_late`` arrived after their
+    step; ``num_fits`` refits ran and ``num_accepted`` passed the guard. ``errors`` lists ``(step, error)`` per row and
     ``imbalance`` ``(step, measured, predicted)`` per complete step, for plots over time.
     """
 
@@ -186,9 +186,9 @@ class GroupCalibration:
                 )
             which = -1 if bin is None else bin
             taken = {(step, -1), *((step, b) for b in range(self.bins_per_rank))}
-            clash = (step, which) in self._recorded or (
-                which == -1 and any(item in self._recorded for item in taken)
-            ) or (which >= 0 and (step, -1) in self._recorded)
+            # A whole step overlaps each of its bins, and a bin the whole step.
+            overlapping = taken if which == -1 else {(step, which), (step, -1)}
+            clash = any(item in self._recorded for item in overlapping)
             if clash:
                 raise LoaderStateError(
                     f"record_compute() already holds a measurement of step {step} that overlaps "
@@ -323,12 +323,13 @@ class GroupCalibration:
     # -- state ----------------------------------------------------------------------------------
 
     def new_pass(self) -> None:
-        """A new pass counts steps from 0 again: forget this pass's rounds and rows; keep the
-        fitted coefficients and the rows already in the fit."""
+        """A new pass counts steps from 0 again: forget this pass's rounds, rows and error
+        history (statistics are per pass); keep the fitted coefficients and the rows already
+        in the fit."""
         with self._lock:
             self._bins, self._rows, self._recorded = {}, [], set()
             self._pending, self._ingested, self._snapshots = [], -1, {}
-            self._steps = {}
+            self._steps, self._errors, self._imbalance = {}, [], []
 
     def _shared(self) -> dict[str, Any]:
         """The group's state now (before the next round): plain data, no shared arrays."""

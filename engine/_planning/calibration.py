@@ -33,7 +33,7 @@ import numpy as np
 from evenflow.engine._model import SampleKey, SampleMetadata
 from evenflow.engine._planning import cost as _cost
 from evenflow.engine._validate import check_int
-from evenflow.engine.errors import ConfigError
+from evenflow.engine.errors import ConfigError, PlanningError
 
 __all__ = ["CalibratedCost", "Calibrator", "FitResult", "fit_coefficients"]
 
@@ -178,6 +178,12 @@ class CalibratedCost:
         """Costs of ``metas`` under the coefficients in force (vectorised)."""
         costs: np.ndarray = self.feature_matrix(metas, keys=keys, tokens=tokens) @ self._vector
         # Coefficients are >= 0 and features finite, so only an overflow can break a cost.
+        if not np.isfinite(costs).all():
+            bad = int(np.flatnonzero(~np.isfinite(costs))[0])
+            raise PlanningError(
+                f"CalibratedCost overflowed on sample {bad} ({metas[bad].tokens} tokens) with "
+                f"coefficients {self._coefficients!r}; a cost must be a finite number."
+            )
         return np.maximum(costs, 0.0)
 
     def __call__(self, meta: SampleMetadata) -> float:

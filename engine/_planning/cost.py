@@ -321,7 +321,8 @@ def evaluate_costs(
     metas = _check_inputs(metas, keys)
     if getattr(type(model), "_evenflow_calibrated", False):
         # A calibrated model evaluates its feature matrix in one pass.
-        return model.evaluate(metas, keys=keys, tokens=tokens)  # type: ignore[attr-defined, no-any-return]
+        calibrated: Any = model
+        return calibrated.evaluate(metas, keys=keys, tokens=tokens)  # type: ignore[no-any-return]
     if type(model) is TokenCost or type(model) is QuadraticCost:
         # Exact built-in models: one vectorised pass, same arithmetic order as their __call__.
         lengths = _token_vector(metas, tokens)
