@@ -21,7 +21,7 @@ def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.multiprocess
 def test_a_tiny_run_reports_every_arm_and_target(capsys: pytest.CaptureFixture[str]) -> None:
     # Too short to judge calibration: report the figures without judging them.
-    assert main(["--quick", "--steps", "12", "--seq-len", "128", "--json", "--report-only"]) == 0
+    assert main(["--quick", "--steps", "12", "--seq-len", "64", "--json", "--report-only"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["benchmark"] == "calibration"
     (repeat,) = doc["repeats"]

@@ -76,6 +76,17 @@ def test_every_rank_holds_the_same_coefficients_and_plans_and_they_converge() ->
     assert [e for e, _ in stats.errors] == sorted(e for e, _ in stats.errors)
 
 
+@pytest.mark.parametrize(
+    "options", [{"planning": "leader"}, {"balance_window": 2}], ids=["leader", "window"]
+)
+def test_leader_planning_and_balance_windows_agree_too(options: dict[str, Any]) -> None:
+    loaders = _loaders(40, **options)
+    a, b = run_in_threads_or_raise(loaders, lambda r, ld: _train(ld, r))
+    assert a["digests"] == b["digests"]
+    assert a["coefficients"] == b["coefficients"]
+    assert a["stats"].num_accepted >= 1 and a["stats"].num_late == 0
+
+
 def test_missing_measurements_on_one_rank_cannot_make_plans_differ() -> None:
     loaders = _loaders()
 
