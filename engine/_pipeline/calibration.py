@@ -69,8 +69,9 @@ class CalibrationStats:
     rank, measured and predicted, averaged over the last ``window`` steps every rank measured
     whole. Counts: ``num_rows`` measured bins entered the fit in this pass, ``num_refused``
     were refused (non-finite, zero or negative seconds), ``num_late`` arrived after their
-    step; ``num_fits`` refits ran and ``num_accepted`` passed the guard. ``errors`` lists ``(step, error)`` per row and
-    ``imbalance`` ``(step, measured, predicted)`` per complete step, for plots over time.
+    step; ``num_fits`` refits ran and ``num_accepted`` passed the guard. ``errors`` lists
+    ``(step, error)`` per row and ``imbalance`` ``(step, measured, predicted)`` per complete
+    step, for plots over time.
     """
 
     feature_names: tuple[str, ...]
@@ -185,11 +186,13 @@ class GroupCalibration:
                     "after next() returned the step it measures, within a few steps."
                 )
             which = -1 if bin is None else bin
-            taken = {(step, -1), *((step, b) for b in range(self.bins_per_rank))}
             # A whole step overlaps each of its bins, and a bin the whole step.
-            overlapping = taken if which == -1 else {(step, which), (step, -1)}
-            clash = any(item in self._recorded for item in overlapping)
-            if clash:
+            overlapping = (
+                {(step, b) for b in range(-1, self.bins_per_rank)}
+                if which == -1
+                else {(step, which), (step, -1)}
+            )
+            if any(item in self._recorded for item in overlapping):
                 raise LoaderStateError(
                     f"record_compute() already holds a measurement of step {step} that overlaps "
                     f"bin={bin!r}; record each bin once, or the whole step once."
@@ -242,7 +245,10 @@ class GroupCalibration:
     def _receive(self, round_: int, sender: int, rows: Any) -> None:
         if rows is None:
             return
-        array = np.asarray(rows, dtype=np.float64)
+        try:
+            array = np.asarray(rows, dtype=np.float64)
+        except (TypeError, ValueError):
+            array = np.zeros(0)
         if array.ndim != 2 or array.shape[1] != self._width:
             # Peer data of the wrong shape is refused alike on every rank (all see it).
             self.calibrator.num_refused += int(array.shape[0]) if array.ndim == 2 else 1
@@ -332,10 +338,11 @@ class GroupCalibration:
             self._steps, self._errors, self._imbalance = {}, [], []
 
     def _shared(self) -> dict[str, Any]:
-        """The group's state now (before the next round): plain data, no shared arrays."""
+        """The group's state now (before the next round). Cheap: arrays are referenced, not
+        copied (no array here is ever changed in place); :meth:`state` makes plain data."""
         return {
-            "calibrator": self.calibrator.state(),
-            "pending": [row.tolist() for row in self._pending],
+            "calibrator": self.calibrator.snapshot(),
+            "pending": list(self._pending),
             "late": self.num_late,
         }
 
@@ -355,7 +362,12 @@ class GroupCalibration:
             unsent = [
                 row.tolist() for row, sent in self._rows if sent is None or sent >= read_from
             ]
-        return {"shared": encode_blob(shared), "rank": encode_blob({"rows": unsent})}
+        plain = {
+            "calibrator": {**shared["calibrator"], "rows": shared["calibrator"]["rows"].tolist()},
+            "pending": [row.tolist() for row in shared["pending"]],
+            "late": shared["late"],
+        }
+        return {"shared": encode_blob(plain), "rank": encode_blob({"rows": unsent})}
 
     def load_state(self, shared: Any, rank: Any) -> None:
         """Restore what :meth:`state` saved (``rank`` None: this rank saved no entry)."""

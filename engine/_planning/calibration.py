@@ -297,9 +297,9 @@ def _nnls(gram: list[list[float]], rhs: list[float]) -> list[float]:
             if all(z[i] > 0.0 for i in idx):
                 beta = z
                 break
-            alpha = min(
-                beta[i] / (beta[i] - z[i]) for i in idx if z[i] <= 0.0 and beta[i] - z[i] > 0.0
-            ) if any(z[i] <= 0.0 and beta[i] - z[i] > 0.0 for i in idx) else 0.0
+            # Step from beta towards z until the first coefficient reaches zero.
+            blocking = [beta[i] / (beta[i] - z[i]) for i in idx if z[i] <= 0.0 < beta[i] - z[i]]
+            alpha = min(blocking, default=0.0)
             beta = [b + alpha * (zz - b) for b, zz in zip(beta, z, strict=True)]
             passive = [i for i in idx if beta[i] > 0.0]
             if not passive:
@@ -462,14 +462,20 @@ class Calibrator:
         self.decisions = [*self.decisions[-63:], decision]
         return decision
 
-    def state(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
+        """:meth:`state` with ``rows`` as the array itself (never changed in place: adding
+        rows makes a new one), for cheap snapshots."""
         return {
             "coefficients": list(self.model.coefficients),
-            "rows": self.rows.tolist(),
+            "rows": self.rows,
             "refused": self.num_refused,
             "fits": self.num_fits,
             "accepted": self.num_accepted,
         }
+
+    def state(self) -> dict[str, Any]:
+        """Plain data that :meth:`load_state` restores exactly."""
+        return {**self.snapshot(), "rows": self.rows.tolist()}
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.model.set_coefficients(state["coefficients"])
