@@ -1,7 +1,7 @@
 """Planning: from a gathered step to a new layout of its samples.
 
 The planner (``planner``) validates a step, prices its samples with a cost model (``cost``,
-``flops``), runs a balancing algorithm (``registry``; ``problem``: the contract; ``lpt``: the
+``flops``, ``vision``; ``calibration``: a model refitted to measured compute), runs a balancing algorithm (``registry``; ``problem``: the contract; ``lpt``: the
 reference greedy; ``refine`` and ``search``: the default local search) against an objective
 (``objectives``) and gates the result against the source layout. The greedy and the search run
 in the compiled core, reached only through ``native``. Nothing here touches a transport or the
