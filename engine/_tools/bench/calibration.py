@@ -71,7 +71,9 @@ def _mixture(seq_len: int) -> Any:
 
 
 def _fit_well(model: Any, seq_len: int) -> tuple[float, float]:
-    """``(linear, quadratic)`` of a QuadraticCost fitted to timed bins, averaged over ranks."""
+    """``(linear, quadratic)`` seconds per token and per token² fitted to timed bins (timings
+    averaged over ranks). At short ``seq_len`` the quadratic term may fit to 0: the arms then
+    differ only in scale, which balances alike (a smoke run, not a measurement)."""
     import torch
     import torch.distributed as dist
 
@@ -83,9 +85,9 @@ def _fit_well(model: Any, seq_len: int) -> tuple[float, float]:
         [[1.0, len(b), sum(b), sum(x * x for x in b)] for b in bins], dtype=np.float64
     )
     fit = fit_coefficients(features, seconds)
-    if fit is None or fit.coefficients[3] <= 0.0:
-        raise RuntimeError(f"The start-up fit found no quadratic term: {fit!r}.")
-    return fit.coefficients[2] / fit.coefficients[3], 1.0
+    if fit is None or not any(fit.coefficients[2:]):
+        raise RuntimeError(f"The start-up fit found no per-token term: {fit!r}.")
+    return fit.coefficients[2], fit.coefficients[3]
 
 
 class _Arm:
@@ -208,16 +210,18 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
                 break
     finally:
         records = {name: arm.close() for name, arm in arms.items()}
-    return {"well_linear": linear, "arms": records}
+    return {"well": [linear, quadratic], "arms": records}
 
 
-def _errors_of(rows: list[dict[str, Any]], linear: float) -> list[tuple[int, float]]:
-    """Per-bin relative errors of a fixed QuadraticCost(linear) after its best common scale."""
+def _errors_of(
+    rows: list[dict[str, Any]], linear: float, quadratic: float
+) -> list[tuple[int, float]]:
+    """Per-bin relative errors of a fixed QuadraticCost after its best common scale."""
     features, seconds, steps = [], [], []
     for step, row in enumerate(rows):
         for lengths, value in row["bins"]:
             values = np.asarray(lengths, dtype=np.float64)
-            features.append(linear * values.sum() + (values * values).sum())
+            features.append(linear * values.sum() + quadratic * (values * values).sum())
             seconds.append(value)
             steps.append(step)
     predicted, measured = np.asarray(features), np.asarray(seconds)
@@ -229,17 +233,20 @@ def _errors_of(rows: list[dict[str, Any]], linear: float) -> list[tuple[int, flo
 def _summarize_repeat(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]:
     """One repeat's figures per arm (rank 0's view of group-wide measurements)."""
     first = ranks[0]
-    linear = first["well_linear"]
+    linear, quadratic = first["well"]
     arms: dict[str, Any] = {}
     off_rows = first["arms"]["off"]["rows"]
-    late = [i for i in range(len(off_rows)) if i >= _SETTLE] or list(range(len(off_rows)))
+    # Steps after the settling ones; a run too short to have any (--quick) uses every step.
+    settle = _SETTLE if len(off_rows) > _SETTLE else 0
+    late = list(range(settle, len(off_rows)))
     for name in ARMS:
         record = first["arms"][name]
         rows = record["rows"]
         if name == "calibrating":
             errors = [(s, e) for s, e in record["errors"]]
         else:
-            errors = _errors_of(rows, linear if name == "well" else linear / MISSPECIFIED)
+            scale = 1.0 if name == "well" else 1.0 / MISSPECIFIED
+            errors = _errors_of(rows, linear * scale, quadratic)
         max_over_off = [
             rows[i]["max_compute_s"] / off_rows[i]["max_compute_s"] for i in late if i < len(rows)
         ]
@@ -272,7 +279,9 @@ def _summarize_repeat(ranks: list[dict[str, Any]], steps: int) -> dict[str, Any]
     well = 1.0 - arms["well"]["max_compute_vs_off_late"]
     calibrating = 1.0 - arms["calibrating"]["max_compute_vs_off_late"]
     return {
-        "well_linear": linear,
+        # The well-specified model's linear/quadratic ratio (None: no quadratic term fitted).
+        "well_linear": linear / quadratic if quadratic > 0 else None,
+        "from_step": settle,
         "arms": arms,
         "reduction_well": well,
         "reduction_calibrating": calibrating,
@@ -319,9 +328,12 @@ def _print(doc: dict[str, Any]) -> None:
         f"{cfg['repeats']} repeat(s), seq_len {cfg['seq_len']}, hidden {cfg['hidden_size']}"
     )
     for i, rep in enumerate(doc["repeats"]):
-        print(f"\nrepeat {i + 1}: well-specified linear/quadratic = {rep['well_linear']:.0f}")
+        ratio = rep["well_linear"]
+        shown = "no quadratic term" if ratio is None else f"{ratio:.0f}"
+        print(f"\nrepeat {i + 1}: well-specified linear/quadratic = {shown}")
         print(
-            f"  {'arm':<12}{'max/mean':>10}{'max/mean>=50':>14}{'max vs off':>12}"
+            f"  {'arm':<12}{'max/mean':>10}{'max/mean>=' + str(rep['from_step']):>14}"
+            f"{'max vs off':>12}"
             f"{'step vs off':>13}{'err last':>10}"
         )
         for name in ARMS:
@@ -335,7 +347,7 @@ def _print(doc: dict[str, Any]) -> None:
         series = ", ".join(f"{k}: {v * 100:.0f}%" for k, v in errs.items())
         print(f"  calibrating median error by 10 steps: {series}")
         print(
-            f"  reduction of the slowest rank's compute (steps >= {_SETTLE}): well "
+            f"  reduction of the slowest rank's compute (steps >= {rep['from_step']}): well "
             f"{rep['reduction_well'] * 100:.1f}%, calibrating "
             f"{rep['reduction_calibrating'] * 100:.1f}% (recovered {rep['recovered']:.2f})"
         )
