@@ -32,6 +32,7 @@ def test_a_tiny_run_reports_every_arm_and_target(capsys: pytest.CaptureFixture[s
         assert arm["max_over_mean"] >= 1.0
         assert arm["step_time_vs_off"] > 0
     assert repeat["arms"]["off"]["max_compute_vs_off_late"] == 1.0
+    assert repeat["arms"]["off"]["imbalance_vs_off_late"] == 1.0
     calibrating = repeat["arms"]["calibrating"]
     assert calibrating["fits"] >= 1 and calibrating["late"] == 0
     assert len(calibrating["coefficients"]) == 4
