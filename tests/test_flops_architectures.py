@@ -307,6 +307,9 @@ def test_stages_can_be_balanced_by_the_slower_one() -> None:
     meta = SampleMetadata(tokens=120, features={"image_patches": [400]})
     assert stages.evaluate(meta) == pytest.approx(cost.cost_terms(meta))
     assert stages.reduce == "max"
+    # The stages' identity follows the configuration (ranks with other configs are refused).
+    assert cost.model_id in stages.model_id
+    assert VisionLanguageCost(_qwen25_vl()).as_stages().model_id != stages.model_id
 
 
 @pytest.mark.parametrize(

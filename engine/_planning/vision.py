@@ -241,9 +241,24 @@ class VisionLanguageCost:
     def as_stages(self, reduce: str = "max") -> ComponentCost:
         """The two stages as a :class:`ComponentCost` (``reduce="max"``: balance the slower)."""
         return ComponentCost(
-            {"encoder": self.encoder_flops, "language": self.language_flops},
+            {
+                "encoder": _Stage(self, "encoder", self.encoder_flops),
+                "language": _Stage(self, "language", self.language_flops),
+            },
             reduce=reduce,  # type: ignore[arg-type]
         )
 
     def __repr__(self) -> str:
         return f"VisionLanguageCost(model_id={self._model_id!r})"
+
+
+class _Stage:
+    """One stage of a :class:`VisionLanguageCost` as a cost model whose identity names the
+    whole model's configuration (a bound method's would name only the code)."""
+
+    def __init__(self, owner: VisionLanguageCost, name: str, fn: Any) -> None:
+        self.model_id = f"{owner.model_id}:{name}"
+        self._fn = fn
+
+    def __call__(self, meta: SampleMetadata) -> float:
+        return float(self._fn(meta))
