@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from evenflow.transports._protocol import FAILED, Protocol
 from evenflow.transports._wire import decode_many
-from evenflow.transports.errors import TransportError, WireFormatError
+from evenflow.transports.errors import TransportClosedError, TransportError, WireFormatError
 
 __all__ = ["Channel"]
 
@@ -47,6 +47,16 @@ class Channel:
         #: Where received bytes land: ``lease(nbytes)`` (the Gloo transport pools them).
         self.lease = lease or functools.partial(np.empty, dtype=np.uint8)
         self.broken: TransportError | None = None
+
+    def release(self) -> None:
+        """Drop the reference to the group (after its owner closed): the group's sockets
+        close with its last reference, and a closed transport must not be that one. Any later
+        operation fails as on a broken group."""
+        self.group = None  # type: ignore[assignment]
+        if self.broken is None:
+            self.broken = TransportClosedError(
+                "this channel's transport was closed", rank=self.protocol.rank, op="close"
+            )
 
     def collective(self, op: str, call: Callable[[], T]) -> T:
         """Run one blocking collective (or start one); map and remember a failure."""

@@ -41,7 +41,6 @@ import asyncio
 import functools
 import re
 from collections.abc import Hashable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -51,6 +50,7 @@ import numpy.typing as npt
 import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing
+from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._wire import _PendingFrames, encode, encode_many
 from evenflow.transports.errors import (
     PeerEncodeError,
@@ -66,6 +66,7 @@ __all__ = [
     "FAILURE_KINDS",
     "Protocol",
     "classify_failure",
+    "CLOSE_DEADLINE",
     "close_owned",
     "destroy_group",
     "map_dist_error",
@@ -160,18 +161,32 @@ def destroy_group(group: dist.ProcessGroup) -> None:
         dist.destroy_process_group(group)
 
 
+#: Seconds a transport's ``aclose()`` waits for an operation still in flight on its thread
+#: (a collective whose peer left without closing): past it the thread is abandoned (a
+#: daemon; the operation ends at the group timeout) and the close goes on.
+CLOSE_DEADLINE = 5.0
+
+
 async def close_owned(
-    executor: ThreadPoolExecutor, group: dist.ProcessGroup, *, destroy: bool
+    executor: WorkerThreads,
+    group: dist.ProcessGroup,
+    *,
+    destroy: bool,
+    deadline: float = CLOSE_DEADLINE,
 ) -> None:
-    """Join the one thread that drives (or waits on) ``group``; then destroy it if asked.
+    """Join the one thread that drives (or waits on) ``group``, for at most ``deadline``
+    seconds; then destroy the group if asked.
 
     Shared ``aclose`` of the Gloo and device transports: ``destroy`` is true when the
-    transport created the group and no failure left it unusable.
+    transport created the group and no failure left it unusable. A thread still inside a
+    collective at the deadline is abandoned (it holds the group until the collective fails
+    or times out) and the group is not destroyed under it.
     """
-    await asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(executor.shutdown, wait=True)
+    executor.stop(cancel_futures=True)
+    stuck = await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(executor.join, deadline)
     )
-    if destroy:
+    if destroy and not stuck:
         destroy_group(group)
 
 

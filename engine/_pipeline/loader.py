@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import sys
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -13,7 +14,11 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._logging import show_info_lines
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
-from evenflow.engine._pipeline.loop_thread import lowered_niceness, nice_initializer
+from evenflow.engine._pipeline.loop_thread import (
+    SwitchIntervalScope,
+    lowered_niceness,
+    nice_initializer,
+)
 from evenflow.engine._pipeline.loss_tokens import LossTokens, step_loss_tokens
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
 from evenflow.engine._pipeline.parts import (
@@ -42,6 +47,7 @@ from evenflow.engine._tracing import StallMeter
 from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
 from evenflow.transports._registry import create_transport
+from evenflow.transports._threads import WorkerThreads
 
 __all__ = ["BalancedLoader"]
 
@@ -143,21 +149,17 @@ class BalancedLoader(LoaderFacade):
         # default): the pipeline works ahead of training and can wait for a core; compute
         # cannot. The transport's collective thread is the transport's own.
         nice = nice_initializer(self._thread_niceness)
-        self._cpu = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix="evenflow-cpu", initializer=nice
-        )
-        self._source_executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="evenflow-source", initializer=nice
-        )
+        # Daemon threads with a bounded shutdown (WorkerThreads): user code runs on them, and a
+        # call stuck there must never keep close() or the process from finishing.
+        self._cpu = WorkerThreads(2, name="evenflow-cpu", initializer=nice)
+        self._source_executor = WorkerThreads(1, name="evenflow-source", initializer=nice)
         # Shared-dataset mode: the bounded pool that reads each step's assigned samples.
         self._assigned: AssignedReader | None = None
-        self._read_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._read_executor: WorkerThreads | None = None
         shared = shared_source(source)
         if shared is not None:
             threads = int(getattr(shared, "read_threads", 1))
-            self._read_executor = concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix="evenflow-read", initializer=nice
-            )
+            self._read_executor = WorkerThreads(threads, name="evenflow-read", initializer=nice)
             self._assigned = AssignedReader(shared, self._read_executor, threads=threads)
         self._dataset = shared_identity(source)
         self._pipeline: Pipeline | None = None
@@ -179,6 +181,7 @@ class BalancedLoader(LoaderFacade):
         self._pass_samples = 0  # samples / tokens this rank trained on in the current pass
         self._pass_tokens = 0
         self._last_pass: PassSummary | None = None
+        self._switch_release: weakref.finalize | None = None  # holds the lowered interval
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -310,6 +313,27 @@ class BalancedLoader(LoaderFacade):
         await run.loop(pipeline.wait_until(done), pump=True)
 
     async def _restart(self, epoch: int, run: Runner) -> None:
+        restored = self._restored
+        if restored is not None and self._pipeline is None and not self._pass_finished:
+            # load_state_dict() came first: the usual loop restores, then calls set_epoch() at
+            # the top of its epoch loop. The restored epoch keeps the restored position.
+            if epoch == restored.epoch:
+                return
+            if epoch < restored.epoch:
+                raise LoaderStateError(
+                    f"set_epoch({epoch}) after load_state_dict() of a state in epoch "
+                    f"{restored.epoch} (step {restored.step}) would train epochs the run has "
+                    f"already trained. Call set_epoch({restored.epoch}) to continue where the "
+                    "state left off (or start the epoch loop there), or do not restore."
+                )
+            logger.warning(
+                "evenflow: set_epoch(%d) after restoring a state at epoch %d step %d: the rest "
+                "of epoch %d is skipped.",
+                epoch,
+                restored.epoch,
+                restored.step,
+                restored.epoch,
+            )
         if isinstance(self._source, OneShotSource):
             self._source.check_reusable(f"set_epoch({epoch})")
         # Draining finishes the in-flight steps' collectives, which may need caller launches.
@@ -324,6 +348,13 @@ class BalancedLoader(LoaderFacade):
     @property
     def _pass_running(self) -> bool:
         return self._pipeline is not None
+
+    @property
+    def _pass_ended(self) -> bool:
+        return self._pass_finished and self._pipeline is None
+
+    def _current_epoch(self) -> int:
+        return self._epoch
 
     def _pump(self, coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
         # Async mode: the caller's thread runs the loop, so launches run inline between awaits.
@@ -441,8 +472,10 @@ class BalancedLoader(LoaderFacade):
         if self._config.log_stats and self._transport.rank == 0:
             show_info_lines()
         interval = self._config.switch_interval
-        if interval is not None and sys.getswitchinterval() > interval:
-            sys.setswitchinterval(interval)
+        if interval is not None and self._switch_release is None:
+            SwitchIntervalScope.acquire(interval)
+            # Released at close(), or when a loader dropped without close() is collected.
+            self._switch_release = weakref.finalize(self, SwitchIntervalScope.release)
         loop = asyncio.get_running_loop()
         if self._launcher is not None:
             self._launcher.bind(loop)
@@ -485,11 +518,14 @@ class BalancedLoader(LoaderFacade):
         pipeline.start()
 
     async def _next_state(self, pipeline: Pipeline) -> StepState | None:
+        deadline = asyncio.timeout(self._stall_limit)
         try:
-            async with asyncio.timeout(self._stall_limit):
+            async with deadline:
                 return await pipeline.next_state()
         except TimeoutError:
-            if pipeline.finished:
+            # Only this wait's own deadline is a stall: a TimeoutError raised by a step (a
+            # transport's, or one from user code) reaches the caller as it is.
+            if pipeline.finished or not deadline.expired():
                 raise
             raise StallTimeoutError(
                 f"No step arrived within {self._config.balance_window + 1} x "
@@ -543,20 +579,32 @@ class BalancedLoader(LoaderFacade):
             self._launcher.clear()
 
     async def _release_resources(self) -> None:
-        self._stager.close()
-        self._tracer.close()
-        if self._owns_transport:
-            await self._transport.aclose()
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._shutdown_executors)
+        try:
+            self._stager.close()
+            self._tracer.close()
+            if self._owns_transport:
+                await self._transport.aclose()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._shutdown_executors)
+        finally:
+            if self._switch_release is not None:
+                self._switch_release()  # runs SwitchIntervalScope.release once
 
-    def _shutdown_executors(self) -> None:
-        self._cpu.shutdown(wait=True, cancel_futures=True)
-        # Joins the source thread: a source blocked inside next() delays close() until it
-        # returns (a thread cannot be interrupted).
-        self._source_executor.shutdown(wait=True, cancel_futures=True)
-        if self._read_executor is not None:
-            self._read_executor.shutdown(wait=True, cancel_futures=True)
+    def _shutdown_executors(self) -> list[str]:
+        """Stop the loader's threads and wait for them together, at most
+        ``config.close_timeout`` seconds: a thread still inside user code then (a source's
+        ``next()`` blocked on storage cannot be interrupted) is abandoned, and named in a
+        WARNING; it is a daemon thread and never holds the process. Returns what was
+        abandoned."""
+        pools = [p for p in (self._cpu, self._source_executor, self._read_executor) if p]
+        for pool in pools:
+            pool.stop(cancel_futures=True)
+        until = time.monotonic() + self._config.close_timeout
+        stuck: list[str] = []
+        for pool in pools:
+            stuck += pool.join(max(until - time.monotonic(), 0.0))
+        self.abandoned_threads = stuck
+        return stuck
 
     def _deliver(self, state: StepState) -> Any:
         batch = self._stager.deliver(state.staged)

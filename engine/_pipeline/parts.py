@@ -47,6 +47,7 @@ LIBRARY_VERSION = "0.1.0"
 #: it reads, how it waits, logs and where it plans, never which samples form which step or
 #: where they train (``planning``: the leader computes the very plan every rank would).
 RUNTIME_ONLY = (
+    "close_timeout",
     "device_prefetch_depth",
     "log_stats",
     "max_steps",

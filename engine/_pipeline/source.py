@@ -24,6 +24,7 @@ from evenflow.engine._model import PackingConstraints, SampleMetadata
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import ConfigError
 from evenflow.transports import Prepared, prepare
+from evenflow.transports._threads import ThreadInterrupt
 
 __all__ = ["SourceReader"]
 
@@ -88,6 +89,15 @@ class SourceReader:
         except Exception as exc:
             state.status = "error"
             state.fail(getattr(exc, "_evenflow_stage", "source"), exc)
+        except BaseException as exc:
+            # An async source runs on this loop: what it raises beyond Exception must not end
+            # the pass as if the data had ended (a CancelledError) or kill the loop (a
+            # KeyboardInterrupt). Only the cancellation of this very task passes through.
+            task = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                raise
+            state.status = "error"
+            state.fail("source", ThreadInterrupt(exc))
         return state
 
     async def position(self) -> Any:

@@ -393,7 +393,11 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "polish: inconsistent array sizes");
         goto done;
     }
-    size_t words = (size_t)(4 * ranks + 2 * n + 2) + 2 * (size_t)(seq_len + 1);
+    /* A knapsack runs only while its m * (cap + 1) cells fit the allowance, so cap < cells:
+       its two tables need no more entries than that, and memory does not grow with seq_len. */
+    Py_ssize_t kcap = (long long)seq_len < cells ? seq_len : (Py_ssize_t)cells;
+    if (kcap < 0) kcap = 0;
+    size_t words = (size_t)(4 * ranks + 2 * n + 2) + 2 * (size_t)(kcap + 1);
     block = calloc(words, sizeof(int64_t));
     s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
     s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
@@ -408,7 +412,7 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
     s.tmp = w; w += ranks;
     s.heavy = w; w += n + 1;
     s.items = w; w += n + 1;
-    s.minc = (double *)w; w += seq_len + 1;
+    s.minc = (double *)w; w += kcap + 1;
     s.maxc = (double *)w;
     s.ranks = ranks;
     s.per = per;

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from evenflow.engine._model import MAX_TOKENS
 from evenflow.engine.errors import ConfigError
 
 __all__ = ["default_length", "fingerprint", "is_hf_dataset", "read_lengths"]
@@ -88,6 +89,14 @@ def read_lengths(
     if array.shape != (size,):
         raise ConfigError(
             f"lengths must hold one length per dataset index ({size}), but has shape {array.shape}."
+        )
+    huge = np.flatnonzero(array > MAX_TOKENS)
+    if huge.size:
+        i = int(huge[0])
+        raise ConfigError(
+            f"Dataset index {i} has length {int(array[i])} ({huge.size} such samples), more than "
+            f"the {MAX_TOKENS} tokens any sample may hold; check the length column or "
+            f"length_fn, starting with index {i}."
         )
     bad = np.flatnonzero(array < 1)
     if bad.size:
