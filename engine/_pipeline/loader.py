@@ -118,6 +118,12 @@ class BalancedLoader(LoaderFacade):
         self._thread_niceness = lowered_niceness(config.thread_nice)
         self._transport, self._owns_transport = _resolve_transport(transport, config)
         self._world_transport = _check_world_transport(world_transport, self._transport)
+        #: A step source's values that disagree with this loader's (``bind_loader``): raised
+        #: here when no peer is waiting for this rank, else by the source's first read, so
+        #: that the first metadata round refuses the group on every rank with this message.
+        self.bind_refusal = _bind_source(source, config, self._transport, self._world_transport)
+        if self.bind_refusal is not None and self._data_parallel_size == 1:
+            raise self.bind_refusal
         parts = loader_parts(
             config,
             num_ranks=self._transport.num_ranks,
@@ -234,6 +240,11 @@ class BalancedLoader(LoaderFacade):
     @property
     def group_ranks(self) -> tuple[int, ...]:
         return self._transport.global_ranks
+
+    @property
+    def _data_parallel_size(self) -> int:
+        world = self._world_transport
+        return (world if world is not None else self._transport).num_ranks
 
     def __len__(self) -> int:
         limit = self._config.max_steps
@@ -658,6 +669,29 @@ class BalancedLoader(LoaderFacade):
             f"<BalancedLoader {state} rank={self._transport.rank}/"
             f"{self._transport.num_ranks} step={self._delivered}>"
         )
+
+
+def _bind_source(
+    source: Any, config: LoaderConfig, transport: Transport, world: Transport | None
+) -> ConfigError | None:
+    """Give a step source (``DatasetSource``, ``IterableSource``, or any source with
+    ``bind_loader``) the loader's step shape and this rank's data-parallel position: the
+    world round's group when there is one (it spans every data-parallel rank), else the
+    balance group's."""
+    bind = getattr(source, "bind_loader", None)
+    if not callable(bind):
+        return None
+    ranks = world if world is not None else transport
+    # A loader with no peers knows nothing of the data-parallel world: a source sharded by
+    # hand (explicit rank / num_ranks, one loader per process without a group) keeps them.
+    alone = ranks.num_ranks == 1
+    refusal = bind(
+        seq_len=config.seq_len,
+        bins_per_rank=config.bins_per_rank,
+        rank=None if alone else ranks.rank,
+        num_ranks=None if alone else ranks.num_ranks,
+    )
+    return refusal if isinstance(refusal, ConfigError) else None
 
 
 def _process_rank(transport: Transport) -> int:
