@@ -186,6 +186,7 @@ class BalancedLoader(LoaderFacade):
         self._restored: Restore | None = None
         self._pass_samples = 0  # samples / tokens this rank trained on in the current pass
         self._pass_tokens = 0
+        self._pass_zero_loss = 0  # delivered steps with no loss target in the world
         self._last_pass: PassSummary | None = None
         self._switch_release: weakref.finalize | None = None  # holds the lowered interval
 
@@ -398,6 +399,7 @@ class BalancedLoader(LoaderFacade):
         self._last_stats = None
         self._last_loss_tokens = None
         self._pass_samples = self._pass_tokens = 0
+        self._pass_zero_loss = 0
         self._pass_balance = BalanceTally()
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
@@ -577,6 +579,7 @@ class BalancedLoader(LoaderFacade):
             num_discarded_samples=pipeline.num_discarded_samples,
             num_outlier_bound_steps=self._pass_balance.to_dict()["outlier_bound"],
             outlier_cost_fraction=self._pass_balance.outlier_cost_fraction,
+            num_zero_loss_steps=self._pass_zero_loss,
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -627,6 +630,16 @@ class BalancedLoader(LoaderFacade):
         self._last_loss_tokens = step_loss_tokens(
             state.step, state.loss_rank, state.loss_group, world
         )
+        if self._last_loss_tokens is not None and self._last_loss_tokens.world == 0:
+            # Never silent: the loss recipe's scale is 0.0 and the step trains nothing.
+            self._pass_zero_loss += 1
+            if self._transport.rank == 0:
+                logger.warning(
+                    "evenflow: step %d holds no loss target in the whole data-parallel world "
+                    "(every label is -100): it trains nothing, and LossTokens.loss_scale() is "
+                    "0.0. Check the labels (or the chat template's masking) of its samples.",
+                    state.step,
+                )
         self._last_host_batch = state.host_batch
         routes, plan = state.routes, state.plan
         if routes is not None and plan is not None:

@@ -61,6 +61,7 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
 from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
 from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
+from evenflow.engine._pipeline.pack_check import check_packed, name_samples
 from evenflow.engine._pipeline.plan_stage import PlanStage
 from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
 from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
@@ -552,6 +553,10 @@ class Pipeline:
             msg["indices"] = np.fromiter(
                 (s.dataset_index for s in state.samples), dtype=np.int64, count=len(state.samples)
             )
+        elif state.indices is not None and state.status == "ok":
+            # Payload mode over a source that knows them: errors at the pack name the sample
+            # by its dataset index on whichever rank packs it.
+            msg["indices"] = state.indices
         try:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
@@ -825,8 +830,11 @@ class Pipeline:
         routes = state.routes
         assert routes is not None
         local, received, rank = state.local_samples(), state.received, self._rank
+        by_step = state.step_messages()
+        default_pack = self._pack_fn is default_pack_fn
+        single = self._config.oversized_policy == "single"
         packed = []
-        for keys in routes.bins:
+        for b, keys in enumerate(routes.bins):
             samples = []
             for key in keys:
                 if key[0] == rank and self._assigned is None:
@@ -839,7 +847,22 @@ class Pipeline:
                             f"Rank {rank} did not receive sample {SampleKey(*key)} planned for "
                             f"it at step {state.step}; the exchange lost data."
                         ) from None
-            packed.append(self._pack_fn(samples, self._config.seq_len))
+            where = f"Bin {b} of step {state.step} on rank {self._global_ranks[rank]}"
+            try:
+                bin_packed = self._pack_fn(samples, self._config.seq_len)
+            except Exception as exc:
+                name_samples(exc, by_step, keys, where)
+                raise
+            check_packed(
+                bin_packed,
+                keys,
+                by_step,
+                seq_len=self._config.seq_len,
+                oversized_single=single,
+                default_pack=default_pack,
+                where=where,
+            )
+            packed.append(bin_packed)
         if state.loss_rank is None and self._pack_fn is default_pack_fn:
             # Samples read after planning (shared-dataset mode) carry no count in the
             # metadata: the packed labels say exactly what the rank trains on.

@@ -16,7 +16,7 @@ Where the lengths come from, in order of preference:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -34,9 +34,16 @@ def is_hf_dataset(dataset: Any) -> bool:
 
 
 def default_length(sample: Any) -> int:
-    """Token count of a sample: ``len(sample["input_ids"])`` for mappings, else ``len(sample)``."""
-    if isinstance(sample, dict) and "input_ids" in sample:
-        return len(sample["input_ids"])
+    """Token count of a sample: ``len(sample["input_ids"])`` for mappings, else ``len(sample)``.
+    A mapping without ``input_ids`` is refused (``len`` would count its keys)."""
+    if isinstance(sample, Mapping):
+        if "input_ids" in sample:
+            return len(sample["input_ids"])
+        raise ConfigError(
+            f"Cannot measure a sample with keys {sorted(map(str, sample))[:8]}: the default "
+            "length is len(sample['input_ids']). Pass length_column= (the column holding "
+            "token ids or counts), length_fn= or lengths=, or tokenize into 'input_ids' first."
+        )
     try:
         return len(sample)
     except TypeError:
@@ -84,6 +91,13 @@ def read_lengths(
             array = _measure(dataset, size, lambda s: _column_length(s[column]), "length_column")
     elif is_hf_dataset(dataset) and "input_ids" in dataset.column_names:
         array = _hf_column(dataset, "input_ids")
+    elif is_hf_dataset(dataset):
+        raise ConfigError(
+            f"The dataset has no 'input_ids' column (its columns are {dataset.column_names}), "
+            "so its samples' token counts are unknown. Pass length_column= naming the column "
+            "of token ids or counts (e.g. length_column='tokens'), length_fn= or lengths=, "
+            "or tokenize into 'input_ids' first (dataset.map)."
+        )
     else:
         array = _measure(dataset, size, default_length, "the default length (len of input_ids)")
     if array.shape != (size,):

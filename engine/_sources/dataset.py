@@ -39,6 +39,7 @@ from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
+from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["DatasetSource"]
 
@@ -167,6 +168,7 @@ class DatasetSource:
         self._start = 0  # where the next iter() starts (set by load_state_dict)
         self._dealing: Dealing | None = None  # set by an elastic restore, for its epoch only
         self._plan: _Epoch | None = None
+        self._last_read: npt.NDArray[np.int64] | None = None
 
     # -- the loader's values -------------------------------------------------------------
 
@@ -300,11 +302,34 @@ class DatasetSource:
         return [plan.order[positions] for positions in plan.packed.step(unit)]
 
     def read(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it)."""
+        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it).
+
+        An error the dataset raises keeps its type and message and gains a note naming the
+        dataset index (or, for one ``__getitems__`` call, the indices) it was reading."""
         getitems = getattr(self._dataset, "__getitems__", None)
+        wanted = list(indices)
         if callable(getitems):
-            return list(getitems(list(indices)))
-        return [self._dataset[i] for i in indices]
+            try:
+                return list(getitems(wanted))
+            except BaseException as exc:
+                shown = ", ".join(map(str, wanted[:16])) + (", ..." if len(wanted) > 16 else "")
+                exc.add_note(
+                    f"{NOTE_PREFIX}raised by dataset.__getitems__ for dataset indices [{shown}]."
+                )
+                raise
+        out = []
+        for i in wanted:
+            try:
+                out.append(self._dataset[i])
+            except BaseException as exc:
+                exc.add_note(f"{NOTE_PREFIX}raised reading dataset index {i} (dataset[{i}]).")
+                raise
+        return out
+
+    def last_read_indices(self) -> npt.NDArray[np.int64] | None:
+        """The dataset indices of the step the iterator yielded last, in sample order (the
+        loader sends them with the step's metadata, so errors name samples by index)."""
+        return self._last_read
 
     def metadata_fn(self, sample: Any) -> SampleMetadata:
         """The ``metadata_fn`` for a ``BalancedLoader`` over this source: the token count the
@@ -336,6 +361,7 @@ class DatasetSource:
             bins = self.step_indices(step)
             sizes = [len(b) for b in bins]
             flat = np.concatenate(bins)
+            self._last_read = flat
             tokens = self._lengths[flat].tolist()
             if self._yield_indices:
                 items: list[Any] = [
