@@ -66,7 +66,9 @@ from evenflow.transports._protocol import (
     FAILED,
     Protocol,
     CLOSE_DEADLINE,
+    ROLL_CALL_SECONDS,
     close_owned,
+    roll_call,
     membership,
     open_group,
     pack_outgoing,
@@ -256,6 +258,26 @@ class GlooTransport(Transport):
         # must not be that reference, wherever the transport itself is still held.
         self._channel.release()
         self._group = None  # type: ignore[assignment]
+
+    async def roll_call(self, tag: str, deadline: float = ROLL_CALL_SECONDS) -> list[int] | None:
+        """After a collective of this group failed: the global ranks that do not answer a
+        roll call within ``deadline`` seconds (see :func:`roll_call`), or ``None`` when that
+        cannot be told. Every surviving member must call it with the same ``tag``. Runs on
+        the default executor: the collective thread may still be inside the failed call."""
+        group = self._group
+        if group is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(
+            None,
+            functools.partial(
+                roll_call,
+                group,
+                rank=self.rank,
+                global_ranks=self.global_ranks,
+                tag=tag,
+                deadline=deadline,
+            ),
+        )
 
     # -- plumbing -------------------------------------------------------------------------------
 

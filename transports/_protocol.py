@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import time
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -67,7 +68,9 @@ __all__ = [
     "Protocol",
     "classify_failure",
     "CLOSE_DEADLINE",
+    "ROLL_CALL_SECONDS",
     "close_owned",
+    "roll_call",
     "destroy_group",
     "map_dist_error",
     "membership",
@@ -266,6 +269,53 @@ def map_dist_error(
         op=op,
         peer_rank=peer,
     )
+
+
+# -- after a failure: who is still there -----------------------------------------------------------
+
+#: Seconds a roll call waits for the members that have not answered yet, and how often it
+#: looks at the store meanwhile.
+ROLL_CALL_SECONDS = 1.0
+_ROLL_CALL_POLL = 0.02
+
+
+def roll_call(
+    group: dist.ProcessGroup,
+    *,
+    rank: int,
+    global_ranks: Sequence[int],
+    tag: str,
+    deadline: float = ROLL_CALL_SECONDS,
+) -> list[int] | None:
+    """After a collective of ``group`` failed on every member: the global ranks that do not
+    answer a roll call within ``deadline`` seconds (a crashed or stuck peer), or ``None``
+    when that cannot be told.
+
+    Gloo names a failed peer only by address, so a group of three or more cannot say who
+    left. Every surviving member of the failed collective calls this with the same ``tag``
+    (e.g. the operation and step): each writes its own key to the world's store (the
+    rendezvous store, which outlives any one training process under torchrun), then waits
+    for the others'. The store is reached through torch's default-group registry; where it
+    is not available (or was hosted by the rank that died) the answer is ``None``.
+    """
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        prefix = f"evenflow/roll-call/{group.group_name}/{tag}/"
+        store.set(f"{prefix}{global_ranks[rank]}", "here")
+        if deadline <= 0:
+            return []  # answered only
+        until = time.monotonic() + deadline
+        waiting = [p for p in global_ranks if p != global_ranks[rank]]
+        while True:
+            # Polled, not store.wait(): a wait that times out logs a warning per key.
+            waiting = [p for p in waiting if not store.check([f"{prefix}{p}"])]
+            if not waiting or time.monotonic() >= until:
+                return waiting
+            time.sleep(_ROLL_CALL_POLL)
+    except Exception:
+        return None
 
 
 # -- the exchange layout -------------------------------------------------------------------------

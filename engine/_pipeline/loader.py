@@ -189,6 +189,9 @@ class BalancedLoader(LoaderFacade):
         self._pass_zero_loss = 0  # delivered steps with no loss target in the world
         self._last_pass: PassSummary | None = None
         self._switch_release: weakref.finalize | None = None  # holds the lowered interval
+        #: Threads ``close()`` abandoned inside user code (name and what each ran); empty
+        #: when every thread finished within ``config.close_timeout``.
+        self.abandoned_threads: list[str] = []
 
     # -- properties ----------------------------------------------------------------------------
 

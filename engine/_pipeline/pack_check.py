@@ -29,7 +29,7 @@ import numpy as np
 from evenflow.engine.errors import ConfigError
 from evenflow.transports._remote import NOTE_PREFIX
 
-__all__ = ["check_packed", "name_samples", "sample_name"]
+__all__ = ["check_declared_lengths", "check_packed", "name_samples", "sample_name"]
 
 Key = tuple[int, int, int]  # (source rank, step that read it, position in that step)
 Messages = Mapping[int, Sequence[dict[str, Any]]]
@@ -117,6 +117,28 @@ def check_packed(
             "be wrong. Declare the count the pack trains on (count_loss_tokens(sample) for the "
             "default pack), or leave loss_tokens unset (None) to have it counted."
         )
+
+
+def check_declared_lengths(
+    samples: Sequence[Any], keys: Sequence[Key], messages: Messages, *, where: str
+) -> None:
+    """Before the default pack: each sample's token count (``len(sample["input_ids"])``, or
+    ``len(sample)``) must be the one its metadata declared, or the pack would make a bin of
+    another size than the plan (longer than ``seq_len``, for an under-declared length)."""
+    declared, _ = _declared(messages, keys)
+    for k, sample in enumerate(samples):
+        try:
+            ids = sample["input_ids"] if isinstance(sample, Mapping) else sample
+            actual = len(ids)
+        except Exception:
+            return  # the pack itself says what is wrong with such a sample
+        if actual != int(declared[k]):
+            raise ConfigError(
+                f"{sample_name(messages, keys[k])} (samples[{k}] of {where.lower()}) packs "
+                f"into {actual} tokens, but its metadata declared {int(declared[k])}; the plan "
+                "was made for the declared length. Fix metadata_fn (or the lengths / "
+                "length_column the source reads)."
+            )
 
 
 def _declared(messages: Messages, keys: Sequence[Key]) -> tuple[np.ndarray, np.ndarray | None]:

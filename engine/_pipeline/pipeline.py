@@ -61,7 +61,11 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey
 from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
 from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
-from evenflow.engine._pipeline.pack_check import check_packed, name_samples
+from evenflow.engine._pipeline.pack_check import (
+    check_declared_lengths,
+    check_packed,
+    name_samples,
+)
 from evenflow.engine._pipeline.plan_stage import PlanStage
 from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
 from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
@@ -260,6 +264,9 @@ class Pipeline:
                 await self._task
         self._out_recv.close()
         await self._reader.aclose()
+        # The plan stage calls back into this pipeline: a cycle that would keep a closed
+        # pass (its samples, frames and transport) alive until a garbage collection.
+        self._plan_stage.detach()
 
     # -- caller side --------------------------------------------------------------------------
 
@@ -304,8 +311,21 @@ class Pipeline:
                 return None
             assert state.confirmed is not None
             await asyncio.shield(state.confirmed)
-            # Like the metadata round, the next step's world round precedes delivery.
+            # Like the metadata round, the next step's world round precedes delivery; when
+            # its collective failed, this step fails on every surviving rank alike.
             await self._wait_world_round(state.step + 1)
+            world_failure = self._world.failure_before(state.step + 1)
+            if (
+                world_failure is None
+                and self._world.spans_groups
+                and self.world_step < state.step + 1
+                and not self._world.stopped
+            ):
+                # The pipeline stopped before the next world round ran: no rank of the world
+                # can have completed that round, so no rank delivers this step either.
+                world_failure = self._fatal
+            if world_failure is not None and state.error is None and state.remote is None:
+                state.remote = world_failure
             self._pending = None
             self._slots.release()
             self._release_device_slot(state)
@@ -603,6 +623,9 @@ class Pipeline:
         self.notify()
         await self._sequencer.fail(exc)
         self._confirm_all_pending(exc)
+        if self._world.spans_groups:
+            with contextlib.suppress(Exception):
+                await self._world.answer_roll_call()
 
     def _confirm_all_pending(self, exc: BaseException) -> None:
         pending = [*self._reporting, *self._settled]
@@ -848,6 +871,8 @@ class Pipeline:
                             f"it at step {state.step}; the exchange lost data."
                         ) from None
             where = f"Bin {b} of step {state.step} on rank {self._global_ranks[rank]}"
+            if default_pack:
+                check_declared_lengths(samples, keys, by_step, where=where)
             try:
                 bin_packed = self._pack_fn(samples, self._config.seq_len)
             except Exception as exc:

@@ -24,6 +24,7 @@ import numpy.typing as npt
 
 from evenflow.engine._model import MAX_TOKENS
 from evenflow.engine.errors import ConfigError
+from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["default_length", "fingerprint", "is_hf_dataset", "read_lengths"]
 
@@ -159,7 +160,11 @@ def _hf_column(dataset: Any, column: str) -> npt.NDArray[np.int64]:
 def _measure(dataset: Any, size: int, fn: Callable[[Any], Any], what: str) -> npt.NDArray[np.int64]:
     out = np.empty(size, dtype=np.int64)
     for i in range(size):
-        value = fn(dataset[i])
+        try:
+            value = fn(dataset[i])
+        except Exception as exc:
+            exc.add_note(f"{NOTE_PREFIX}raised measuring dataset index {i} ({what}).")
+            raise
         if isinstance(value, np.integer):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):

@@ -157,8 +157,6 @@ class DatasetSource:
         self._lengths.flags.writeable = False
         self._fingerprint = fingerprint(self._lengths)
         self._eligible: npt.NDArray[np.int64] | None = None
-        if seq_len is not None:
-            self._check_lengths(seq_len)  # as early as possible
         measure = length_fn if length_fn is not None else default_length
         if length_column is not None:
             measure = _column_measure(length_column)
@@ -169,6 +167,8 @@ class DatasetSource:
         self._dealing: Dealing | None = None  # set by an elastic restore, for its epoch only
         self._plan: _Epoch | None = None
         self._last_read: npt.NDArray[np.int64] | None = None
+        if seq_len is not None:
+            self._check_lengths(seq_len)  # as early as possible
 
     # -- the loader's values -------------------------------------------------------------
 
