@@ -10,6 +10,7 @@ transport speaks the same protocol through launch points instead.
 from __future__ import annotations
 
 import functools
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -53,6 +54,10 @@ class Channel:
         close with its last reference, and a closed transport must not be that one. Any later
         operation fails as on a broken group."""
         self.group = None  # type: ignore[assignment]
+        # A failed collective's error keeps its traceback, whose frames hold the group (and
+        # form a cycle with this channel): clear their locals, or the group's sockets stay
+        # open until a garbage collection.
+        _forget_frames(self.broken)
         if self.broken is None:
             self.broken = TransportClosedError(
                 "this channel's transport was closed", rank=self.protocol.rank, op="close"
@@ -180,3 +185,14 @@ class Channel:
         self.broadcast_bytes(op, data, src)
         # src decodes its own frame too: nobody receives an alias of the caller's objects.
         return decode_many(data.numpy(), [announced], max_frame_bytes=proto.limit)[0]
+
+
+def _forget_frames(exc: BaseException | None) -> None:
+    """Clear the local variables of the finished frames in ``exc``'s traceback and in those
+    of the exceptions it was raised from (the traceback text stays)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__
