@@ -28,8 +28,7 @@ def check_int(
         raise ConfigError(f"{name} must be an integer >= {minimum}, but got {value!r}.")
     if maximum is not None and value > maximum:
         raise ConfigError(
-            f"{name} must be at most {maximum}{' (' + why + ')' if why else ''}, but got "
-            f"{value!r}."
+            f"{name} must be at most {maximum}{' (' + why + ')' if why else ''}, but got {value!r}."
         )
     return value
 

@@ -34,8 +34,10 @@ TIMEOUT = 20.0  # the groups' timeout: a close that waited for it would show
 
 def _rows(n: int = N) -> list[dict[str, Any]]:
     lengths = np.random.default_rng(5).integers(4, 44, size=n)
-    return [{"id": i, "input_ids": np.full(int(k), i % 97, dtype=np.int64)} for i, k in
-            enumerate(lengths)]
+    return [
+        {"id": i, "input_ids": np.full(int(k), i % 97, dtype=np.int64)}
+        for i, k in enumerate(lengths)
+    ]
 
 
 def _ids(samples: list[dict[str, Any]], seq_len: int) -> list[int]:
@@ -43,8 +45,12 @@ def _ids(samples: list[dict[str, Any]], seq_len: int) -> list[int]:
 
 
 def _config(**kw: Any) -> LoaderConfig:
-    base: dict[str, Any] = {"seq_len": SEQ_LEN, "bins_per_rank": 2, "log_stats": False,
-                            "timeout": TIMEOUT}
+    base: dict[str, Any] = {
+        "seq_len": SEQ_LEN,
+        "bins_per_rank": 2,
+        "log_stats": False,
+        "timeout": TIMEOUT,
+    }
     base.update(kw)
     return LoaderConfig(**base)
 
@@ -80,13 +86,13 @@ def _interrupted(rank: int, num_ranks: int, kind: str) -> tuple[int, str]:
     rows = _rows()
     lengths = [len(r["input_ids"]) for r in rows]
     # The first sample rank 1 reads at its step 2.
-    probe = DatasetSource(rows, lengths=lengths, seq_len=SEQ_LEN, bins_per_rank=2, rank=1,
-                          num_ranks=2, seed=4)
+    probe = DatasetSource(
+        rows, lengths=lengths, seq_len=SEQ_LEN, bins_per_rank=2, rank=1, num_ranks=2, seed=4
+    )
     trap = int(probe.step_indices(2)[0][0])
     exc: BaseException = KeyboardInterrupt() if kind == "keyboard" else SystemExit(7)
     data = _Trap(rows, trap if rank == 1 else None, exc)
-    loader = build_loader(DatasetSource(data, lengths=lengths, seed=4), _config(),
-                          pack_fn=_ids)
+    loader = build_loader(DatasetSource(data, lengths=lengths, seed=4), _config(), pack_fn=_ids)
     n = 0
     try:
         with loader:
@@ -143,13 +149,13 @@ def test_a_second_iteration_trains_the_next_epoch_and_last_pass_is_there(
 def _wrong_ranks(rank: int, num_ranks: int, how: str) -> str:
     from evenflow.transports import GlooTransport
 
-    explicit = {"num_ranks": 4, "rank": rank} if how == "num_ranks" else {"rank": 0,
-                                                                           "num_ranks": 2}
+    explicit = {"num_ranks": 4, "rank": rank} if how == "num_ranks" else {"rank": 0, "num_ranks": 2}
     source = DatasetSource(_rows(), seed=1, **explicit)
     try:
         if how == "plain":
-            loader: Any = BalancedLoader(source, config=_config(),
-                                         transport=GlooTransport(timeout=TIMEOUT), pack_fn=_ids)
+            loader: Any = BalancedLoader(
+                source, config=_config(), transport=GlooTransport(timeout=TIMEOUT), pack_fn=_ids
+            )
         else:
             loader = build_loader(source, _config(), pack_fn=_ids)
         with loader:
@@ -184,8 +190,9 @@ def test_a_source_rank_or_size_that_disagrees_with_the_group_is_refused_on_every
 def _bad_record(rank: int, num_ranks: int) -> str:
     rows = _rows()
     lengths = [len(r["input_ids"]) for r in rows]
-    probe = DatasetSource(rows, lengths=lengths, seq_len=SEQ_LEN, bins_per_rank=2, rank=1,
-                          num_ranks=2, seed=4)
+    probe = DatasetSource(
+        rows, lengths=lengths, seq_len=SEQ_LEN, bins_per_rank=2, rank=1, num_ranks=2, seed=4
+    )
     bad = int(probe.step_indices(1)[1][0])
     data = _Trap(rows, bad if rank == 1 else None, ValueError("corrupt record"))
     loader = build_loader(DatasetSource(data, lengths=lengths, seed=4), _config(), pack_fn=_ids)
@@ -223,8 +230,9 @@ def _lifecycle(rank: int, num_ranks: int, cycles: int, seed: int) -> dict[str, A
         counts: list[tuple[int, int]] = []
         for cycle in range(cycles):
             source = DatasetSource(rows, seed=seed)
-            loader = build_loader(source, _config(prefetch_depth=rng.choice([1, 2, 3])),
-                                  pack_fn=_ids)
+            loader = build_loader(
+                source, _config(prefetch_depth=rng.choice([1, 2, 3])), pack_fn=_ids
+            )
             loader.set_epoch(cycle)
             stop = rng.choice([None, 0, 1, 2, 5])
             ids: list[int] = []
@@ -255,8 +263,9 @@ def test_randomized_lifecycle_closes_fast_grows_nothing_and_conserves_epochs(
         first, last = r["counts"][1], r["counts"][-1]
         assert last[0] - first[0] <= 2, r["counts"]  # threads
         assert last[1] - first[1] <= 8, r["counts"]  # file descriptors (sockets)
-    reference = DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2, rank=0, num_ranks=2,
-                              seed=11)
+    reference = DatasetSource(
+        _rows(), seq_len=SEQ_LEN, bins_per_rank=2, rank=0, num_ranks=2, seed=11
+    )
     complete = 0
     for cycle in range(cycles):
         if results[0]["epochs"][cycle] == [-1]:
@@ -273,8 +282,9 @@ def test_randomized_lifecycle_closes_fast_grows_nothing_and_conserves_epochs(
 
 
 def _killed_in_world_round(rank: int, num_ranks: int) -> dict[str, Any]:
-    loader = build_loader(DatasetSource(_rows(200), seed=3), _config(timeout=10.0),
-                          pack_fn=_ids, balance_group_size=2)
+    loader = build_loader(
+        DatasetSource(_rows(200), seed=3), _config(timeout=10.0), pack_fn=_ids, balance_group_size=2
+    )
     n = 0
     try:
         with loader:
@@ -288,9 +298,11 @@ def _killed_in_world_round(rank: int, num_ranks: int) -> dict[str, Any]:
 
 
 def test_a_rank_killed_across_balance_groups_stops_every_group_at_one_step_naming_it() -> None:
-    with RankPool(4, timeout=10.0, deadline=120.0, failure_grace=60.0) as four:
-        with pytest.raises(RankFailedError) as info:
-            four.run(_killed_in_world_round, deadline=90.0)
+    with (
+        RankPool(4, timeout=10.0, deadline=120.0, failure_grace=60.0) as four,
+        pytest.raises(RankFailedError) as info,
+    ):
+        four.run(_killed_in_world_round, deadline=90.0)
     outcomes = info.value.outcomes
     assert outcomes[3][0] == "died"
     survivors = [outcomes[r] for r in range(3)]

@@ -38,11 +38,10 @@ import torch
 import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing, Transport, check_timeout
-from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._protocol import (
+    CLOSE_DEADLINE,
     FAILED,
     Protocol,
-    CLOSE_DEADLINE,
     close_owned,
     membership,
     open_group,
@@ -55,6 +54,7 @@ from evenflow.transports._sized import (
     decode_segments,
     write_segments,
 )
+from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError, WireFormatError
 

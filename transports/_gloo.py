@@ -61,17 +61,16 @@ import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing, Transport, check_timeout
 from evenflow.transports._channel import Channel
-from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._protocol import (
-    FAILED,
-    Protocol,
     CLOSE_DEADLINE,
+    FAILED,
     ROLL_CALL_SECONDS,
+    Protocol,
     close_owned,
-    roll_call,
     membership,
     open_group,
     pack_outgoing,
+    roll_call,
 )
 from evenflow.transports._sized import (
     SizedIncoming,
@@ -80,6 +79,7 @@ from evenflow.transports._sized import (
     decode_segments,
     write_segments,
 )
+from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError
 

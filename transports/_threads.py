@@ -35,7 +35,7 @@ __all__ = ["ThreadInterrupt", "WorkerThreads", "unwrap"]
 logger = logging.getLogger("evenflow")
 
 
-class ThreadInterrupt(Exception):  # noqa: N818 (it is a carrier, not an error of its own)
+class ThreadInterrupt(Exception):
     """A ``BaseException`` that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``,
     a ``CancelledError`` that user code raised), carried through the pipeline as an ordinary
     exception; ``original`` is the exception itself."""

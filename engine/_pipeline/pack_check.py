@@ -55,8 +55,9 @@ def name_samples(exc: BaseException, messages: Messages, keys: Sequence[Key], wh
     """Note on ``exc`` which samples the failing bin held (its type and message unchanged)."""
     names = [sample_name(messages, tuple(k)) for k in keys[:_SHOWN]]  # type: ignore[arg-type]
     more = f" and {len(keys) - _SHOWN} more" if len(keys) > _SHOWN else ""
-    exc.add_note(f"{NOTE_PREFIX}{where} holds samples[0..{len(keys) - 1}] = "
-                 f"{', '.join(names)}{more}.")
+    exc.add_note(
+        f"{NOTE_PREFIX}{where} holds samples[0..{len(keys) - 1}] = {', '.join(names)}{more}."
+    )
 
 
 def check_packed(
