@@ -75,7 +75,6 @@ import numpy as np
 from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.lockstep import lockstep_assign
 from evenflow.engine._planning.lpt import lpt_layout
-from evenflow.engine._planning.native import cost_order
 from evenflow.engine._planning.objectives import lockstep, makespan
 from evenflow.engine._planning.polish import polish, polish_cells
 from evenflow.engine._planning.problem import (
@@ -85,7 +84,7 @@ from evenflow.engine._planning.problem import (
     first_infeasible_bin,
 )
 from evenflow.engine._planning.search import search
-from evenflow.engine._planning.settle import home_bins, settle
+from evenflow.engine._planning.settle import Settler
 from evenflow.engine._validate import check_optional_int
 
 __all__ = ["RefineAlgorithm"]
@@ -234,18 +233,9 @@ class RefineAlgorithm:
         """
         n = problem.num_samples
         first = _stay_first(n, problem.num_ranks)
-        home = home_bins(source.flat, source.sizes, n)
-        order = cost_order(problem)  # sorted once for every settle below
-
-        def score(flat: np.ndarray, sizes: np.ndarray) -> float:
-            return _score_of(problem, problem._rank_of_flat(flat, sizes))
-
-        layouts = [
-            FlatLayout(
-                *settle(problem, f.flat, f.sizes, home, score=score, order=order), settled=True
-            )
-            for f in finalists
-        ]
+        settler = Settler(problem, source.flat, source.sizes)
+        score = settler.score
+        layouts = [FlatLayout(*settler.plain(f.flat, f.sizes), settled=True) for f in finalists]
         scores = [score(lay.flat, lay.sizes) for lay in layouts]
         best = min(scores)
         if problem.objective is makespan and n <= _STAY_MAX_SAMPLES:
@@ -267,18 +257,11 @@ class RefineAlgorithm:
                 )
                 reached = _score_of(problem, stay_rank_of)
             if reached <= best and _budgets_hold(problem, stay):
-                settled = FlatLayout(
-                    *settle(problem, stay.flat, stay.sizes, home, score=score, order=order),
-                    settled=True,
-                )
+                settled = FlatLayout(*settler.plain(stay.flat, stay.sizes), settled=True)
                 layouts.insert(0, settled)
                 scores.insert(0, score(settled.flat, settled.sizes))
                 best = min(scores)
-        home_rank = home // problem.bins_per_rank
-
-        def moved(flat: np.ndarray, sizes: np.ndarray) -> int:
-            return int(np.count_nonzero(problem._rank_of_flat(flat, sizes) != home_rank))
-
+        moved = settler.moved
         pick, fewest = 0, -1
         for k, lay in enumerate(layouts):
             if scores[k] > best:
@@ -289,9 +272,7 @@ class RefineAlgorithm:
         # The winner, settled again with a wider homecoming: every rank stays at or below its
         # makespan, so the choice above and its score stand, and only movement can fall.
         chosen = layouts[pick]
-        final = settle(
-            problem, chosen.flat, chosen.sizes, home, score=score, order=order, thorough=True
-        )
+        final = settler.thorough(chosen.flat, chosen.sizes)
         wider = _stay_budget(problem)
         if problem.objective is not makespan or n > _STAY_MAX_SAMPLES or wider <= first:
             return FlatLayout(*final, settled=True)
@@ -304,8 +285,7 @@ class RefineAlgorithm:
             problem, source, wider, stop_at=target, rounds=_STAY_ROUNDS, knapsack=False
         )
         if _score_of(problem, stay_rank_of) <= target and _budgets_hold(problem, stay):
-            cheap = settle(problem, stay.flat, stay.sizes, home, score=score, order=order)
-            again = settle(problem, *cheap, home, score=score, order=order, thorough=True)
+            again = settler.thorough(*settler.plain(stay.flat, stay.sizes))
             if score(*again) <= target and moved(*again) < moved(*final):
                 final = again
         return FlatLayout(*final, settled=True)
