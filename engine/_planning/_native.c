@@ -1569,6 +1569,7 @@ done:
 
 /* Defined in _settle.c, _polish.c and _bound.c. */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
+int evenflow_settle_constants(PyObject *mod);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
 PyObject *evenflow_heavy_bound(PyObject *self, PyObject *args);
 
@@ -1593,8 +1594,8 @@ static struct PyModuleDef module = {
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
-/* The version and the search's tuning constants are exported: the planner's identity reads
-   the one, the test oracle the others, so neither is written twice. */
+/* The version and the search's and settle's tuning constants are exported: the planner's
+   identity reads the one, the test oracles the others, so neither is written twice. */
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
@@ -1605,7 +1606,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(mod, "SWAP_NEIGHBOURS", SWAP_NEIGHBOURS) < 0 ||
         PyModule_AddIntConstant(mod, "EXCHANGE_CANDIDATES", EXCHANGE_CANDIDATES) < 0 ||
         PyModule_AddIntConstant(mod, "POLISH_PARTNERS", 8) < 0 ||
-        PyModule_AddIntConstant(mod, "SUBSET_CANDIDATES", 8) < 0) {
+        PyModule_AddIntConstant(mod, "SUBSET_CANDIDATES", 8) < 0 ||
+        evenflow_settle_constants(mod) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

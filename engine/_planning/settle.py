@@ -7,7 +7,8 @@ that keeps every rank at or below the plan's makespan. The planner settles every
 candidate this way (:func:`settle`), so exchange traffic pays only for balance. The work runs
 in the compiled core (``_settle.c``: an exact assignment up to 128 ranks, a greedy one above,
 then homecoming passes); the makespan is re-checked here and a homecoming that would raise it
-by rounding is dropped.
+by rounding is dropped. ``tests/oracles/settle.py`` specifies the core's settle in plain Python,
+and tests hold the two to identical layouts.
 
 Why an exact assignment only up to 128 ranks: the Hungarian method is O(R^3), ~2 ms at 128
 ranks and ~1 s at 1,024. Above, overlaps are sparse (a rank's samples come from a few source
