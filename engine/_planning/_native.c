@@ -393,6 +393,7 @@ done:
    it lowered 119 of 360 and 43 of 54 makespans, none raised). Last, in larger groups, moves
    and bin swaps try every other lighter rank: when the lightest ranks are full, the room is
    on heavier ones (sft, a = 24,576, 512 x 2: the search had stopped at 1.041 x bound). */
+/* Tuning constants: listed in engine/_planning/schedule.py (CORE_CONSTANTS), which must match. */
 #define NEAR_TARGETS 4
 #define WIDE_TARGETS 32
 #define FULL_SWAP_PAIRS 4096
@@ -1570,6 +1571,7 @@ done:
 /* Defined in _settle.c, _polish.c and _bound.c. */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
 int evenflow_settle_constants(PyObject *mod);
+int evenflow_polish_constants(PyObject *mod);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
 PyObject *evenflow_heavy_bound(PyObject *self, PyObject *args);
 
@@ -1594,8 +1596,9 @@ static struct PyModuleDef module = {
     -1, methods, NULL, NULL, NULL, NULL,
 };
 
-/* The version and the search's and settle's tuning constants are exported: the planner's
-   identity reads the one, the test oracles the others, so neither is written twice. */
+/* The version and the tuning constants (the search's, the second phase's and settle's) are
+   exported: the planner's identity reads the one, the test oracles and the schedule's test the
+   others (engine/_planning/schedule.py lists them with the rule that they must match). */
 PyMODINIT_FUNC PyInit__native(void) {
     PyObject *mod = PyModule_Create(&module);
     if (mod == NULL) return NULL;
@@ -1605,9 +1608,7 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(mod, "FULL_SWAP_PAIRS", FULL_SWAP_PAIRS) < 0 ||
         PyModule_AddIntConstant(mod, "SWAP_NEIGHBOURS", SWAP_NEIGHBOURS) < 0 ||
         PyModule_AddIntConstant(mod, "EXCHANGE_CANDIDATES", EXCHANGE_CANDIDATES) < 0 ||
-        PyModule_AddIntConstant(mod, "POLISH_PARTNERS", 8) < 0 ||
-        PyModule_AddIntConstant(mod, "SUBSET_CANDIDATES", 8) < 0 ||
-        evenflow_settle_constants(mod) < 0) {
+        evenflow_polish_constants(mod) < 0 || evenflow_settle_constants(mod) < 0) {
         Py_DECREF(mod);
         return NULL;
     }

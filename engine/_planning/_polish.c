@@ -37,8 +37,18 @@
 
 #include "_vec.h"
 
+/* Tuning constants: listed in engine/_planning/schedule.py (CORE_CONSTANTS), which must match. */
 #define POLISH_PARTNERS 8
 #define SUBSET_CANDIDATES 8
+
+/* The constants above, exported for the test oracle (tests/oracles/planning.py) and checked
+   against engine/_planning/schedule.py; called from the module's init (_native.c). */
+int evenflow_polish_constants(PyObject *mod) {
+    return (PyModule_AddIntConstant(mod, "POLISH_PARTNERS", POLISH_PARTNERS) < 0 ||
+            PyModule_AddIntConstant(mod, "SUBSET_CANDIDATES", SUBSET_CANDIDATES) < 0)
+               ? -1
+               : 0;
+}
 
 
 typedef struct {

@@ -53,6 +53,7 @@
 
 #include "_vec.h"
 
+/* Tuning constants: listed in engine/_planning/schedule.py (CORE_CONSTANTS), which must match. */
 #define EXACT_ASSIGN 128
 #define TOP_PAIRS 8
 #define HOME_PASSES 4

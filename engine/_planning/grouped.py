@@ -21,8 +21,8 @@ oversized rule and non-empty bins. The search counts attempts (one per group exa
 time, and breaks ties by index, so it is a pure function of its input.
 
 Moves into any bin are examined; exchanges only with the samples of the few units that have
-the most room below their group's maximum (:data:`PARTNER_UNITS`), which bounds an attempt's
-work. The search reads scalar sample costs; the caller scores the result in its own units.
+the most room below their group's maximum (``schedule.PARTNER_UNITS``), which bounds an
+attempt's work. The search reads scalar sample costs; the caller scores the result in its own units.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from evenflow.engine._model import PackingConstraints
+from evenflow.engine._planning.schedule import PARTNER_UNITS
 
 __all__ = [
-    "PARTNER_UNITS",
     "UnitState",
     "group_cost",
     "grouped_search",
@@ -42,9 +42,6 @@ __all__ = [
     "permute_bins",
     "sorted_units",
 ]
-
-# Units whose samples are exchange candidates in one attempt (the ones with the most room).
-PARTNER_UNITS = 8
 
 
 def sorted_units(unit_costs: np.ndarray) -> np.ndarray:

@@ -56,8 +56,8 @@ the lowest index, and the budget counts attempts, never time.
 One implementation: the search runs in the compiled core (``native.py``, driven by
 ``search.py``), with or without packing budgets; ``tests/oracles/planning.py`` holds its
 specification as whole-array numpy expressions, and tests hold the two to identical layouts.
-The search's tuning constants (partner ranks examined, swap windows, exchange candidates) are
-defined once, in ``_native.c``.
+Every tuning constant and budget is in ``schedule.py`` (the core's are listed there with the
+rule that they must match their ``#define``).
 
 Limits: moves are between two ranks at a time (no ejection chains), runs in one-for-many
 exchanges are contiguous in token order within a bin, and the search optimises the sum of
@@ -72,11 +72,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from evenflow.engine._planning import schedule
 from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.lockstep import lockstep_assign
 from evenflow.engine._planning.lpt import lpt_layout
 from evenflow.engine._planning.objectives import lockstep, makespan
-from evenflow.engine._planning.polish import polish, polish_cells
+from evenflow.engine._planning.polish import polish
 from evenflow.engine._planning.problem import (
     BalanceProblem,
     FlatLayout,
@@ -88,72 +89,6 @@ from evenflow.engine._planning.settle import Settler
 from evenflow.engine._validate import check_optional_int
 
 __all__ = ["RefineAlgorithm"]
-
-# Problems up to this many samples are searched from every start, to convergence. Beyond
-# it an attempt costs far more than a greedy pass (a 4-rank step of ~160 samples took ~80 ms
-# when the search ran in numpy), so the budget below applies.
-_MULTI_START_SAMPLES = 48
-# Improvement attempts: one per this many samples, within [_MIN_BUDGET, _MAX_BUDGET]. The
-# first few attempts bring most of the gain (at 8 ranks x 4 bins, 8 attempts close ~70% of
-# what 100 do; one per 120 samples instead of per 80 changes the benchmark's mean reduction
-# against LPT from 1.20% to 1.16% and takes ~0.4 ms off its slowest 8-rank plans). An
-# attempt costs 50-150 us there; at 1,024 ranks attempts beyond the old cap of 96 still cut
-# the makespan by ~1% (a = 4,096, first-fit sources).
-_SAMPLES_PER_ATTEMPT = 120
-# ... and at least one per this many ranks: an attempt works one rank, and a step whose ranks
-# hold few long samples (longctx, 256 x 2: ~8 a rank, so 16 attempts by samples) has most of
-# its ranks above the bound; 128 attempts there take the benchmark's p90 max / bound from
-# 1.105 to 1.072 (pretrain 1.062 to 1.052), and more changed nothing.
-_RANKS_PER_ATTEMPT = 2
-_MIN_BUDGET = 6
-_MAX_BUDGET = 512
-# The search from the source towards the best makespan (``_finish``) runs on steps up to this
-# many samples, with _STAY_ATTEMPTS attempts plus one per _STAY_SAMPLES_PER_ATTEMPT samples
-# (and one per _STAY_RANKS_PER_ATTEMPT ranks, below): each attempt changes one or two
-# samples, and reaching a balanced layout from a source 1.3x above its bound takes ~1 per 25
-# (p50 26 attempts at 8 x 4, 235 at 64 x 4, sft). A step that does not get there in time
-# keeps the other layout, so the cap bounds the planning time (~2 ms at 8 x 4) and nothing
-# else. Past ~20,000 samples it would cost more than the rest of the plan and rarely arrive.
-_STAY_MAX_SAMPLES = 20_000
-# Alternations of the second search phase with the first (see ``_refine``): two, one past
-# _STAY_MAX_SAMPLES samples, where each round's fresh search state and search cost ~30 ms
-# (1,024 x 4) and the third round gained < 0.1% of makespan on the benchmark's steps.
-_POLISH_ROUNDS = 2
-# ... plus one per this many ranks, at most _MAX_POLISH_ROUNDS: the first phase stalls once
-# the most loaded rank has no change with the lightest ranks, and each round of group-wide
-# moves lets it go on. At 256 x 2 (sft, a = 24,576) the third and fourth rounds took a step
-# from 1.0158 to 1.0016 x bound; past four nothing changed on the benchmark's steps.
-_RANKS_PER_ROUND = 128
-_MAX_POLISH_ROUNDS = 4
-# LPT is settled as a finalist too when its score is within this factor of the best one.
-_CLOSE = 1.001
-_STAY_ATTEMPTS = 24
-_STAY_SAMPLES_PER_ATTEMPT = 64
-# The second search from the source (``_finish``) runs where ranks hold at most _STAY_FEW
-# samples on average (long documents: ~16 a rank on the benchmark's longctx steps, ~88 on its
-# sft ones), with _STAY_WORK attempts-times-samples-per-rank: an attempt's work grows with the
-# samples of the ranks it examines, so this is about the work of the first search on an sft
-# step at 8 x 4 (35 attempts), ~190 attempts on longctx. There the first search often stops
-# short of the best score (its 25 attempts end in a stalled layout) and the second brings the
-# median moved fraction of longctx 8 x 4 steps from 0.50 to 0.45 (firstfit); past ~200
-# attempts nothing changed.
-_STAY_FEW = 48
-_STAY_WORK = 3072
-# ... and at most this many: one bin per rank of long documents (~4 samples a rank) would
-# otherwise get ~770, where past ~200 nothing changed on the benchmark's steps.
-_STAY_WIDEST = 256
-# The first search from the source gets one attempt more per two ranks (each attempt works
-# one rank: at 64 x 4, sft first-fit steps then reach the best score more often, median
-# moved 0.58 -> 0.48), and when it stops within _STAY_CLOSE of that score it goes on from
-# where it stopped for _STAY_MORE of its attempts again (sft first-fit 8 x 4: median moved
-# 0.51 -> 0.36, at +0.3 ms p99 planning time; going on within 1% or for all the attempts
-# again moved less still but cost ~1 ms more at p99).
-_STAY_RANKS_PER_ATTEMPT = 2
-_STAY_CLOSE = 0.003
-_STAY_MORE = 0.5
-# The search from the source alternates with the second phase once.
-_STAY_ROUNDS = 1
-
 
 class RefineAlgorithm:
     """Best of source, LPT and bin-level LPT, then capacity-aware local search (the default).
@@ -189,8 +124,12 @@ class RefineAlgorithm:
             starts.append(_deal_bins(problem, starts[0]))
             starts.append(kk_bins(problem, starts[0]))
         scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
-        budget = _default_budget(problem) if self.max_iterations is None else self.max_iterations
-        if problem.num_samples <= _MULTI_START_SAMPLES:
+        budget = (
+            schedule.default_budget(problem)
+            if self.max_iterations is None
+            else self.max_iterations
+        )
+        if problem.num_samples <= schedule.MULTI_START_SAMPLES:
             origins = starts
         else:
             origins = [starts[min(range(len(starts)), key=scores.__getitem__)]]
@@ -210,7 +149,11 @@ class RefineAlgorithm:
         if best_layout is None:
             return None
         finalists = [best_layout]
-        if lpt is not None and lpt is not best_layout and scores[1] <= best_score * _CLOSE:
+        if (
+            lpt is not None
+            and lpt is not best_layout
+            and scores[1] <= best_score * schedule.CLOSE
+        ):
             # Settling may lower a layout's makespan (a sample sent home can leave the most
             # loaded rank), so LPT settled could end below the best one settled.
             finalists.append(lpt)
@@ -232,27 +175,27 @@ class RefineAlgorithm:
         bins start from scratch and move nearly every sample.
         """
         n = problem.num_samples
-        first = _stay_first(n, problem.num_ranks)
+        first = schedule.stay_budget(n, problem.num_ranks)
         settler = Settler(problem, source.flat, source.sizes)
         score = settler.score
         layouts = [FlatLayout(*settler.plain(f.flat, f.sizes), settled=True) for f in finalists]
         scores = [score(lay.flat, lay.sizes) for lay in layouts]
         best = min(scores)
-        if problem.objective is makespan and n <= _STAY_MAX_SAMPLES:
+        if problem.objective is makespan and schedule.stays_from_source(problem):
             chosen = layouts[scores.index(best)]
             rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
             target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
             stay, stay_rank_of = self._refine(
-                problem, source, first, stop_at=target, rounds=_STAY_ROUNDS
+                problem, source, first, stop_at=target, rounds=schedule.STAY_ROUNDS
             )
             reached = _score_of(problem, stay_rank_of)
-            if best < reached <= best * (1.0 + _STAY_CLOSE):  # a near miss: go on
+            if best < reached <= best * (1.0 + schedule.STAY_CLOSE):  # a near miss: go on
                 stay, stay_rank_of = self._refine(
                     problem,
                     stay,
-                    int(first * _STAY_MORE),
+                    int(first * schedule.STAY_MORE),
                     stop_at=target,
-                    rounds=_STAY_ROUNDS,
+                    rounds=schedule.STAY_ROUNDS,
                     knapsack=False,
                 )
                 reached = _score_of(problem, stay_rank_of)
@@ -273,8 +216,12 @@ class RefineAlgorithm:
         # makespan, so the choice above and its score stand, and only movement can fall.
         chosen = layouts[pick]
         final = settler.thorough(chosen.flat, chosen.sizes)
-        wider = _stay_budget(problem)
-        if problem.objective is not makespan or n > _STAY_MAX_SAMPLES or wider <= first:
+        wider = schedule.second_stay_budget(problem)
+        if (
+            problem.objective is not makespan
+            or not schedule.stays_from_source(problem)
+            or wider <= first
+        ):
             return FlatLayout(*final, settled=True)
         # Ranks with few samples (long documents): the search above often stops short of the
         # best score within its attempts. A second one from the source, with attempts sized
@@ -282,7 +229,7 @@ class RefineAlgorithm:
         # replaces that layout when it scores no higher and moves fewer samples.
         target = score(*final)
         stay, stay_rank_of = self._refine(
-            problem, source, wider, stop_at=target, rounds=_STAY_ROUNDS, knapsack=False
+            problem, source, wider, stop_at=target, rounds=schedule.STAY_ROUNDS, knapsack=False
         )
         if _score_of(problem, stay_rank_of) <= target and _budgets_hold(problem, stay):
             again = settler.thorough(*settler.plain(stay.flat, stay.sizes))
@@ -302,18 +249,18 @@ class RefineAlgorithm:
     ) -> tuple[FlatLayout, np.ndarray]:
         """The first search phase, then the second one (``polish.py``) and the first again
         while the second finds changes (at most ``rounds`` times, default
-        ``_POLISH_ROUNDS``). ``stop_at``: a load at or below which the most loaded rank is
+        ``schedule.polish_rounds``). ``stop_at``: a load at or below which the most loaded rank is
         good enough (default: near the bound). ``knapsack``: whether the second phase may
         spend its knapsack allowance on subset exchanges (one bin per rank only)."""
         layout, rank_of = self._search(problem, origin, budget, stop_at=stop_at)
         if problem.constraints.budgets:
             return layout, rank_of
         # The allowance is per round: two rounds spend it all, later ones as much again.
-        cells = polish_cells(problem) // _POLISH_ROUNDS if knapsack else 0
+        cells = schedule.knapsack_cells(problem) // schedule.POLISH_ROUNDS if knapsack else 0
         # Partners come from the whole group, so the attempts scale with it too.
         attempts = max(budget, problem.num_ranks // 2)
         if not rounds:
-            rounds = _polish_rounds(problem)
+            rounds = schedule.polish_rounds(problem)
         for _ in range(rounds):
             polished, _, changes = self._polish(problem, layout, attempts, cells, stop_at=stop_at)
             if changes == 0:
@@ -352,50 +299,6 @@ class RefineAlgorithm:
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:
     """``problem.score`` of the layout whose samples go to ranks ``rank_of``."""
     return float(problem.objective(problem.rank_costs_of(rank_of)))
-
-
-def _default_budget(problem: BalanceProblem) -> int:
-    """Improvement attempts allowed: proportional to the step (its samples, or its ranks
-    where they hold few samples), within fixed bounds.
-
-    An attempt's work grows with the samples of the ranks it examines, so attempts
-    proportional to the step keep the search a bounded share of the plan (measured with
-    ``evenflow bench planner``). Counting attempts rather than reading a clock keeps plans a
-    pure function of the step: every rank must stop at the same attempt.
-    """
-    if problem.num_samples <= _MULTI_START_SAMPLES:
-        return 256  # tiny problems: search to convergence
-    attempts = max(
-        problem.num_samples // _SAMPLES_PER_ATTEMPT, problem.num_ranks // _RANKS_PER_ATTEMPT
-    )
-    return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
-
-
-def _polish_rounds(problem: BalanceProblem) -> int:
-    """Alternations of the two search phases: ``_POLISH_ROUNDS`` plus one per
-    ``_RANKS_PER_ROUND`` ranks, at most ``_MAX_POLISH_ROUNDS``; one past
-    ``_STAY_MAX_SAMPLES`` samples."""
-    if problem.num_samples > _STAY_MAX_SAMPLES:
-        return 1
-    return min(_POLISH_ROUNDS + problem.num_ranks // _RANKS_PER_ROUND, _MAX_POLISH_ROUNDS)
-
-
-def _stay_first(num_samples: int, num_ranks: int) -> int:
-    """Attempts of the search from the source: ``_STAY_ATTEMPTS`` plus one per
-    ``_STAY_SAMPLES_PER_ATTEMPT`` samples and one per ``_STAY_RANKS_PER_ATTEMPT`` ranks."""
-    return (
-        _STAY_ATTEMPTS
-        + num_samples // _STAY_SAMPLES_PER_ATTEMPT
-        + num_ranks // _STAY_RANKS_PER_ATTEMPT
-    )
-
-
-def _stay_budget(problem: BalanceProblem) -> int:
-    """Attempts of the second search from the source (``_STAY_WORK`` over the samples per
-    rank, at most ``_STAY_WIDEST``), or 0 where ranks hold more than ``_STAY_FEW`` samples
-    and it does not run."""
-    per_rank = max(1, problem.num_samples // max(1, problem.num_ranks))
-    return min(_STAY_WORK // per_rank, _STAY_WIDEST) if per_rank <= _STAY_FEW else 0
 
 
 def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:

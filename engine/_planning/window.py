@@ -53,16 +53,11 @@ from evenflow.engine._planning.grouped import (
 from evenflow.engine._planning.lockstep import order_bins, search_budget
 from evenflow.engine._planning.objectives import lockstep
 from evenflow.engine._planning.planner import PlannedStep, Planner, _canonical_order
+from evenflow.engine._planning.schedule import WINDOW_PASSES
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import ConfigError
 
-__all__ = ["WINDOW_PASSES", "WindowPlan", "plan_window"]
-
-# Passes of the grouped search over a window's groups. Most of a window's gain comes from the
-# joint balance and the sorted grouping: on longctx at 8 ranks x 2 bins, W = 4 removes 98% of
-# W = 1's excess without a search and 109% after two passes, while ~30 passes cost 5-10x the
-# planning time of W = 1 for another 1-3% (``evenflow bench planner --window``).
-WINDOW_PASSES = 2
+__all__ = ["WindowPlan", "plan_window"]
 
 
 @dataclass(frozen=True, eq=False)

@@ -24,7 +24,7 @@ from evenflow.engine._planning import native
 from evenflow.engine._planning.objectives import balance
 from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
 from evenflow.engine._planning.refine import RefineAlgorithm
-from evenflow.engine._planning.search import NEAR_OPTIMAL
+from evenflow.engine._planning.schedule import NEAR_OPTIMAL
 
 __all__ = [
     "OracleRefine",
