@@ -114,3 +114,46 @@ def test_budgets_follow_the_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
     assert schedule.stay_budget(700, 64) == schedule.STAY_ATTEMPTS + 700 // 64 + 32
     monkeypatch.setattr(schedule, "STAY_ATTEMPTS", 0)
     assert schedule.stay_budget(700, 64) == 700 // 64 + 32
+
+
+def test_the_default_algorithm_runs_the_stages_the_schedule_lists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Searches (first phase, then phases alternating) run as the schedule says: the search from
+    # the best start with the plan's budget, then the finish's searches from the source with
+    # theirs. Without those stages only the first search runs.
+    import dataclasses
+
+    from evenflow.engine._planning.planner import Planner
+    from evenflow.engine._planning.refine import RefineAlgorithm
+    from evenflow.engine.workloads import make_step
+
+    budgets: list[int] = []
+
+    class Recording(RefineAlgorithm):
+        def _refine(self, problem, origin, budget, **kwargs):  # type: ignore[no-untyped-def]
+            budgets.append(budget)
+            return super()._refine(problem, origin, budget, **kwargs)
+
+    samples, bins = make_step(
+        "longctx", "firstfit", num_ranks=8, bins_per_rank=4, seq_len=131072, seed=0, step=1
+    )
+    planner = Planner(num_ranks=8, bins_per_rank=4, seq_len=131072, algorithm=Recording())
+    with_finish = planner.plan(samples, bins, 1)
+    n = len(samples)
+    assert n > schedule.MULTI_START_SAMPLES  # one search from the best start
+    by_size = max(n // schedule.SAMPLES_PER_ATTEMPT, 8 // schedule.RANKS_PER_ATTEMPT)
+    first = min(max(by_size, schedule.MIN_BUDGET), schedule.MAX_BUDGET)
+    assert budgets[0] == first
+    assert budgets[1] == schedule.stay_budget(n, 8)
+    assert len(budgets) >= 2
+    plain = dataclasses.replace(
+        schedule.DEFAULT,
+        finish=(schedule.Settle("finalists", "plain"), schedule.Choose(),
+                schedule.Settle("chosen", "thorough")),
+    )
+    monkeypatch.setattr(schedule, "DEFAULT", plain)
+    budgets.clear()
+    without = planner.plan(samples, bins, 1)
+    assert budgets == [first]
+    assert without.num_moved >= with_finish.num_moved  # the finish's searches move less

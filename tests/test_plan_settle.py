@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -347,7 +348,13 @@ def test_a_near_miss_of_the_search_from_the_source_goes_on(
     # on for half its attempts again; on these sft steps at 8 x 4 that brings three of six
     # plans to a lower makespan with fewer samples moved, and raises none.
     going_on = _planned("sft", 8, 4, 4096.0, steps=6)
-    monkeypatch.setattr(schedule, "STAY_CLOSE", 0.0)
+    never = tuple(
+        dataclasses.replace(stage, go_on_within=0.0)
+        if isinstance(stage, schedule.FromSource)
+        else stage
+        for stage in schedule.DEFAULT.finish
+    )
+    monkeypatch.setattr(schedule, "DEFAULT", dataclasses.replace(schedule.DEFAULT, finish=never))
     _no_higher_and_fewer_moved(going_on, _planned("sft", 8, 4, 4096.0, steps=6))
     assert schedule.stay_budget(700, 64) == schedule.stay_budget(700, 0) + 32  # one per two ranks
 

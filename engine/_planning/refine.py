@@ -44,6 +44,10 @@ never dead-ends and is never worse than either of them:
    from the source, with more attempts, aims at that final score and replaces the layout
    when it moves fewer samples.
 
+What runs, in which order and with which budget, is data: ``schedule.DEFAULT`` (starts, the
+search's phases, the finalists and the finish's stages), which :meth:`RefineAlgorithm.assign`
+runs; ``schedule.py`` also holds every tuning constant with its measurement.
+
 Under the ``lockstep`` objective the same algorithm runs the method of ``lockstep.py``: it
 balances the step as ``R·B`` one-bin ranks with the steps above, deals the bins into positions
 by cost and searches position by position (see that module).
@@ -114,30 +118,33 @@ class RefineAlgorithm:
             return lockstep_assign(problem, self.assign)
         if problem.num_ranks < 2:
             return None
+        return self._run(problem, schedule.DEFAULT)
+
+    def _run(self, problem: BalanceProblem, sched: schedule.Schedule) -> FlatLayout | None:
+        """Run ``sched`` (see :class:`~evenflow.engine._planning.schedule.Schedule`)."""
         # Layouts travel as (flat, sizes) arrays, each scored once: at 100,000 samples a pass
         # over nested lists costs ~10 ms, more than a dozen compiled search attempts.
-        starts = [FlatLayout(*_flatten(problem.source_bins))]
-        lpt = self._greedy(problem)
-        if lpt is not None:
-            starts.append(lpt)
-        if problem.bins_per_rank > 1:
-            starts.append(_deal_bins(problem, starts[0]))
-            starts.append(kk_bins(problem, starts[0]))
+        source = FlatLayout(*_flatten(problem.source_bins))
+        made: dict[str, int] = {}  # start name -> its index in starts
+        starts: list[FlatLayout] = []
+        for start in sched.starts:
+            if start.several_bins and problem.bins_per_rank == 1:
+                continue
+            layout = self._start(problem, start.name, source)
+            if layout is not None:
+                made[start.name] = len(starts)
+                starts.append(layout)
         scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
-        budget = (
-            schedule.default_budget(problem)
-            if self.max_iterations is None
-            else self.max_iterations
-        )
-        if problem.num_samples <= schedule.MULTI_START_SAMPLES:
+        budget = self._budget(problem, sched.search)
+        if problem.num_samples <= sched.multi_start_samples:
             origins = starts
         else:
             origins = [starts[min(range(len(starts)), key=scores.__getitem__)]]
         # Same candidates, order and strict comparison as scoring every layout afresh: the
-        # searched layouts first, then LPT and the dealt bins; ties keep the earlier one.
+        # searched layouts first, then the other starts; ties keep the earlier one.
         candidates: list[tuple[FlatLayout, float]] = []
         for origin in origins:
-            layout, rank_of = self._refine(problem, origin, budget)
+            layout, rank_of = self._phases(problem, origin, budget, sched.search)
             candidates.append((layout, _score_of(problem, rank_of)))
         candidates.extend(zip(starts[1:], scores[1:], strict=True))
         best_layout: FlatLayout | None = None
@@ -149,93 +156,134 @@ class RefineAlgorithm:
         if best_layout is None:
             return None
         finalists = [best_layout]
-        if (
-            lpt is not None
-            and lpt is not best_layout
-            and scores[1] <= best_score * schedule.CLOSE
-        ):
+        k = made.get(sched.close_start, -1)
+        if k >= 0 and starts[k] is not best_layout and scores[k] <= best_score * sched.close:
             # Settling may lower a layout's makespan (a sample sent home can leave the most
             # loaded rank), so LPT settled could end below the best one settled.
-            finalists.append(lpt)
-        return self._finish(problem, starts[0], finalists)
+            finalists.append(starts[k])
+        return self._finish(problem, source, finalists, sched.finish)
+
+    def _start(self, problem: BalanceProblem, name: str, source: FlatLayout) -> FlatLayout | None:
+        if name == "source":
+            return source
+        if name == "lpt":
+            return self._greedy(problem)
+        if name == "dealt bins":
+            return _deal_bins(problem, source)
+        if name == "kk bins":
+            return kk_bins(problem, source)
+        raise ValueError(f"The schedule names an unknown start {name!r}.")
+
+    def _budget(self, problem: BalanceProblem, search: schedule.Search) -> int:
+        if search.budget is not None:
+            return search.budget(problem)
+        if self.max_iterations is not None:
+            return self.max_iterations
+        return schedule.default_budget(problem)
+
+    def _phases(
+        self,
+        problem: BalanceProblem,
+        origin: FlatLayout,
+        budget: int,
+        search: schedule.Search,
+        *,
+        stop_at: float | None = None,
+    ) -> tuple[FlatLayout, np.ndarray]:
+        return self._refine(
+            problem,
+            origin,
+            budget,
+            stop_at=stop_at,
+            rounds=search.rounds(problem),
+            knapsack=search.knapsack,
+        )
 
     def _finish(
         self,
         problem: BalanceProblem,
         source: FlatLayout,
         finalists: list[FlatLayout],
+        stages: tuple[schedule.Stage, ...],
     ) -> FlatLayout:
-        """The finalists settled (``settle.py``), plus, under the makespan objective, a
-        search from the source that stops once it is as good as the best of them: the best
-        score wins, and among equal scores the layout that moves fewest samples. Where ranks
-        hold few samples, a second search from the source then aims at the chosen layout's
-        final score with more attempts (``_stay_budget``).
-
-        Searching from the source changes only what balance needs, whereas LPT and dealt
-        bins start from scratch and move nearly every sample.
-        """
-        n = problem.num_samples
-        first = schedule.stay_budget(n, problem.num_ranks)
+        """Run the finish ``stages`` on the finalists: settles, searches from the source (which
+        change only what balance needs, whereas LPT and dealt bins start from scratch and move
+        nearly every sample) and the choice among them; the chosen layout, settled."""
         settler = Settler(problem, source.flat, source.sizes)
-        score = settler.score
-        layouts = [FlatLayout(*settler.plain(f.flat, f.sizes), settled=True) for f in finalists]
-        scores = [score(lay.flat, lay.sizes) for lay in layouts]
-        best = min(scores)
-        if problem.objective is makespan and schedule.stays_from_source(problem):
-            chosen = layouts[scores.index(best)]
-            rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
-            target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
-            stay, stay_rank_of = self._refine(
-                problem, source, first, stop_at=target, rounds=schedule.STAY_ROUNDS
+        score, moved = settler.score, settler.moved
+        settles = {"plain": settler.plain, "thorough": settler.thorough}
+        layouts = list(finalists)
+        scores: list[float] = []
+        chosen = layouts[0]
+        for stage in stages:
+            if isinstance(stage, schedule.Settle) and stage.what == "finalists":
+                how = settles[stage.how]
+                layouts = [FlatLayout(*how(f.flat, f.sizes), settled=True) for f in layouts]
+                scores = [score(lay.flat, lay.sizes) for lay in layouts]
+            elif isinstance(stage, schedule.Settle):
+                chosen = FlatLayout(*settles[stage.how](chosen.flat, chosen.sizes))
+            elif isinstance(stage, schedule.Choose):
+                best, pick, fewest = min(scores), 0, -1
+                for k, lay in enumerate(layouts):
+                    if scores[k] > best:
+                        continue
+                    count = moved(lay.flat, lay.sizes)
+                    if fewest < 0 or count < fewest:
+                        pick, fewest = k, count
+                chosen = layouts[pick]
+            else:
+                if problem.objective is not makespan or not schedule.stays_from_source(problem):
+                    continue
+                budget = self._budget(problem, stage.search)
+                if budget <= 0:
+                    continue
+                if stage.aim == "best finalist":
+                    reach = min(scores)
+                    best = layouts[scores.index(reach)]
+                    rank_of = problem._rank_of_flat(best.flat, best.sizes)
+                    stop = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
+                else:
+                    reach = stop = score(chosen.flat, chosen.sizes)
+                stay = self._stay(problem, source, budget, stage, stop, reach)
+                if stay is None:
+                    continue
+                for how in stage.settles:
+                    stay = FlatLayout(*settles[how](stay.flat, stay.sizes), settled=True)
+                if stage.keep == "finalist":
+                    layouts.insert(0, stay)
+                    scores.insert(0, score(stay.flat, stay.sizes))
+                elif score(stay.flat, stay.sizes) <= reach and moved(
+                    stay.flat, stay.sizes
+                ) < moved(chosen.flat, chosen.sizes):
+                    chosen = stay
+        return FlatLayout(chosen.flat, chosen.sizes, settled=True)
+
+    def _stay(
+        self,
+        problem: BalanceProblem,
+        source: FlatLayout,
+        budget: int,
+        stage: schedule.FromSource,
+        stop: float,
+        reach: float,
+    ) -> FlatLayout | None:
+        """The search of ``stage`` from the source, stopping at load ``stop``, going on after a
+        near miss; the layout when it scores ``reach`` or less within the packing budgets."""
+        stay, rank_of = self._phases(problem, source, budget, stage.search, stop_at=stop)
+        reached = _score_of(problem, rank_of)
+        if reach < reached <= reach * (1.0 + stage.go_on_within):  # a near miss: go on
+            stay, rank_of = self._refine(
+                problem,
+                stay,
+                int(budget * stage.go_on_share),
+                stop_at=stop,
+                rounds=stage.search.rounds(problem),
+                knapsack=False,
             )
-            reached = _score_of(problem, stay_rank_of)
-            if best < reached <= best * (1.0 + schedule.STAY_CLOSE):  # a near miss: go on
-                stay, stay_rank_of = self._refine(
-                    problem,
-                    stay,
-                    int(first * schedule.STAY_MORE),
-                    stop_at=target,
-                    rounds=schedule.STAY_ROUNDS,
-                    knapsack=False,
-                )
-                reached = _score_of(problem, stay_rank_of)
-            if reached <= best and _budgets_hold(problem, stay):
-                settled = FlatLayout(*settler.plain(stay.flat, stay.sizes), settled=True)
-                layouts.insert(0, settled)
-                scores.insert(0, score(settled.flat, settled.sizes))
-                best = min(scores)
-        moved = settler.moved
-        pick, fewest = 0, -1
-        for k, lay in enumerate(layouts):
-            if scores[k] > best:
-                continue
-            count = moved(lay.flat, lay.sizes)
-            if fewest < 0 or count < fewest:
-                pick, fewest = k, count
-        # The winner, settled again with a wider homecoming: every rank stays at or below its
-        # makespan, so the choice above and its score stand, and only movement can fall.
-        chosen = layouts[pick]
-        final = settler.thorough(chosen.flat, chosen.sizes)
-        wider = schedule.second_stay_budget(problem)
-        if (
-            problem.objective is not makespan
-            or not schedule.stays_from_source(problem)
-            or wider <= first
-        ):
-            return FlatLayout(*final, settled=True)
-        # Ranks with few samples (long documents): the search above often stops short of the
-        # best score within its attempts. A second one from the source, with attempts sized
-        # to the step's work, aims at the final layout's score; settled the same way, it
-        # replaces that layout when it scores no higher and moves fewer samples.
-        target = score(*final)
-        stay, stay_rank_of = self._refine(
-            problem, source, wider, stop_at=target, rounds=schedule.STAY_ROUNDS, knapsack=False
-        )
-        if _score_of(problem, stay_rank_of) <= target and _budgets_hold(problem, stay):
-            again = settler.thorough(*settler.plain(stay.flat, stay.sizes))
-            if score(*again) <= target and moved(*again) < moved(*final):
-                final = again
-        return FlatLayout(*final, settled=True)
+            reached = _score_of(problem, rank_of)
+        if reached <= reach and _budgets_hold(problem, stay):
+            return stay
+        return None
 
     def _refine(
         self,

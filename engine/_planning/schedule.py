@@ -13,7 +13,9 @@ at the same point, so a plan stays a pure function of the step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from evenflow.engine._planning.problem import BalanceProblem
@@ -21,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CLOSE",
     "CORE_CONSTANTS",
+    "DEFAULT",
     "LOCKSTEP_PASSES",
     "MULTI_START_SAMPLES",
     "NEAR_OPTIMAL",
@@ -30,10 +33,17 @@ __all__ = [
     "STAY_ROUNDS",
     "SUBSET_CELLS",
     "WINDOW_PASSES",
+    "Choose",
+    "FromSource",
+    "Schedule",
+    "Search",
+    "Settle",
+    "Start",
     "default_budget",
     "knapsack_cells",
     "polish_rounds",
     "second_stay_budget",
+    "stay_again_budget",
     "stay_budget",
     "stays_from_source",
 ]
@@ -218,3 +228,136 @@ def second_stay_budget(problem: BalanceProblem) -> int:
     run."""
     per_rank = max(1, problem.num_samples // max(1, problem.num_ranks))
     return min(STAY_WORK // per_rank, STAY_WIDEST) if per_rank <= STAY_FEW else 0
+
+
+def stay_again_budget(problem: BalanceProblem) -> int:
+    """:func:`second_stay_budget` where it exceeds the first search from the source's
+    attempts, else 0 (the second search does not run)."""
+    wider = second_stay_budget(problem)
+    return wider if wider > stay_budget(problem.num_samples, problem.num_ranks) else 0
+
+
+def _first_stay_budget(problem: BalanceProblem) -> int:
+    return stay_budget(problem.num_samples, problem.num_ranks)
+
+
+def _stay_rounds(problem: BalanceProblem) -> int:
+    return STAY_ROUNDS
+
+
+# ---------------------------------------------------------------------------- the schedule
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """A layout the search may start from: ``name`` is one of the algorithm's start makers
+    (``"source"``, ``"lpt"``, ``"dealt bins"``, ``"kk bins"``); ``several_bins``: only with
+    more than one bin per rank."""
+
+    name: str
+    several_bins: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Search:
+    """One search: the first phase for ``budget`` attempts (None: the plan's attempt budget,
+    :func:`default_budget` unless the algorithm is given one), then the second phase and the
+    first again while the second changes something, at most ``rounds`` times (none under
+    packing budgets); ``knapsack``: whether the second phase may spend its knapsack cells."""
+
+    budget: Callable[[BalanceProblem], int] | None
+    rounds: Callable[[BalanceProblem], int]
+    knapsack: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Settle:
+    """Settle the finalists (``what="finalists"``) or the chosen layout (``"chosen"``),
+    ``"plain"`` or ``"thorough"`` (``settle.Settler``)."""
+
+    what: Literal["finalists", "chosen"]
+    how: Literal["plain", "thorough"]
+
+
+@dataclass(frozen=True, slots=True)
+class Choose:
+    """Choose among the settled finalists: the best score, and among equal scores the layout
+    that moves fewest samples."""
+
+
+@dataclass(frozen=True, slots=True)
+class FromSource:
+    """A search from the source layout that stops once it reaches ``aim``: the best settled
+    finalist's makespan (``"best finalist"``) or the chosen layout's score (``"chosen"``).
+    It runs under the makespan objective on steps :func:`stays_from_source` admits, when its
+    budget is positive. Stopped short within ``go_on_within`` of the aim, it goes on from
+    where it stopped for ``go_on_share`` of its attempts (second phase without knapsack).
+    Reaching the aim within the packing budgets, it is settled by ``settles`` in turn and
+    ``keep``: joins the finalists (``"finalist"``) or replaces the chosen layout when it
+    still scores no higher and moves fewer samples (``"fewer moved"``)."""
+
+    search: Search
+    aim: Literal["best finalist", "chosen"]
+    settles: tuple[Literal["plain", "thorough"], ...]
+    keep: Literal["finalist", "fewer moved"]
+    go_on_within: float = 0.0
+    go_on_share: float = 0.0
+
+
+Stage = Settle | Choose | FromSource
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """What a plan of the default algorithm runs, in order.
+
+    1. ``starts`` (the source first: what every candidate must beat): every start is made
+       and scored; steps up to ``multi_start_samples`` samples are searched from each,
+       larger ones from the best only;
+    2. ``search``: the search from those starts; the best of the searched layouts and the
+       starts (strictly better than the source, within the packing budgets) wins;
+    3. the finalists: the winner, and the start named ``close_start`` when its score is
+       within ``close`` of the winner's;
+    4. ``finish``: the stages, in order; the chosen layout is the plan.
+    """
+
+    starts: tuple[Start, ...]
+    multi_start_samples: int
+    search: Search
+    close_start: str
+    close: float
+    finish: tuple[Stage, ...]
+
+
+DEFAULT = Schedule(
+    starts=(
+        Start("source"),
+        Start("lpt"),
+        Start("dealt bins", several_bins=True),
+        Start("kk bins", several_bins=True),
+    ),
+    multi_start_samples=MULTI_START_SAMPLES,
+    search=Search(budget=None, rounds=polish_rounds, knapsack=True),
+    close_start="lpt",
+    close=CLOSE,
+    finish=(
+        Settle("finalists", "plain"),
+        FromSource(
+            Search(budget=_first_stay_budget, rounds=_stay_rounds, knapsack=True),
+            aim="best finalist",
+            settles=("plain",),
+            keep="finalist",
+            go_on_within=STAY_CLOSE,
+            go_on_share=STAY_MORE,
+        ),
+        Choose(),
+        Settle("chosen", "thorough"),
+        FromSource(
+            Search(budget=stay_again_budget, rounds=_stay_rounds, knapsack=False),
+            aim="chosen",
+            settles=("plain", "thorough"),
+            keep="fewer moved",
+        ),
+    ),
+)
+"""The default algorithm's schedule (see :class:`Schedule`)."""
