@@ -26,6 +26,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "_drive.h"
 #include "_vec.h"
 
 #define CORE_VERSION 9
@@ -1205,7 +1206,48 @@ static inline int lighter(const double *load, int64_t p, int64_t q) {
     return load[p] < load[q] || (load[p] == load[q] && p < q);
 }
 
-/* _improve: -1 when rank a admits no improving change, -2 when out of memory. */
+/* The first phase's move families, one signature: the best change of the family moving cost
+   from rank a (its samples `heavy`, nh of them) to one of the ranks `targets` (nt of them) by
+   the acceptance rule of _drive.h, into `best`; 1 when found, 0 when none, -1 on no memory. */
+typedef int (*family_t)(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
+                        const int64_t *targets, Py_ssize_t nt, double tol, change_t *best);
+
+/* Move one sample to a bin with room, or exchange two whole bins (_move). */
+static int move_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
+                       const int64_t *targets, Py_ssize_t nt, double tol, change_t *best) {
+    return cheap(s, a, heavy, nh, targets, nt, tol, 0, best);
+}
+
+/* move_family, with a move made possible by first shifting one of the partner's samples to
+   another of its bins when no plain move fits (_cheap). */
+static int shifted_move_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
+                               const int64_t *targets, Py_ssize_t nt, double tol,
+                               change_t *best) {
+    return cheap(s, a, heavy, nh, targets, nt, tol, 1, best);
+}
+
+/* Partner sets of an attempt on rank a, from its lighter ranks by (load, rank): the
+   NEAR_TARGETS lightest; the next WIDE_TARGETS; every other lighter rank (in larger groups,
+   once the first two sets are all the lighter ranks there are within reach). */
+typedef enum { NEAR, WIDE, FAR } partners_t;
+
+typedef struct {
+    family_t family;
+    partners_t partners;
+} entry_t;
+
+/* The first phase's table, tried in order until one family finds a change, which is applied:
+   the cheap families on the lightest ranks first, the costly shifted move last among them;
+   then, before giving up on a, moves and one-for-run exchanges with the wider set; last,
+   moves and bin swaps with every other lighter rank. */
+static const entry_t PHASE1[] = {
+    {move_family, NEAR},         {swap_family, NEAR},     {exchange_family, NEAR},
+    {shifted_move_family, NEAR}, {shifted_move_family, WIDE}, {exchange_family, WIDE},
+    {move_family, FAR},
+};
+
+/* One attempt of the first phase on rank a (an improve_t, see _drive.h): the partner rank
+   changed, -1 when a admits no improving change, -2 when out of memory. */
 static int64_t improve(search_t *s, int64_t a) {
     double top = s->load[a];
     double tol = 1e-12 * fabs(top) + 1e-300;
@@ -1228,36 +1270,37 @@ static int64_t improve(search_t *s, int64_t a) {
     while (size < held && s->load[order[size]] < top - tol) size++;
     if (size == 0) return -1;
     Py_ssize_t nh = rank_samples(s, a, s->heavy);
-    Py_ssize_t near = size < NEAR_TARGETS ? size : NEAR_TARGETS;
+    Py_ssize_t far = -1; /* the FAR set's size, once built (after the ranks above) */
     change_t change;
-    int found = cheap(s, a, s->heavy, nh, order, near, tol, 0, &change);
-    if (!found) found = swap_family(s, a, s->heavy, nh, order, near, tol, &change);
-    if (!found) found = exchange_family(s, a, s->heavy, nh, order, near, tol, &change);
-    if (!found) found = cheap(s, a, s->heavy, nh, order, near, tol, 1, &change);
-    if (found < 0) return -2;
-    if (found) return apply_change(s, &change);
-    if (size > NEAR_TARGETS) {
-        /* Before giving up on a: moves, then one-for-run exchanges, with the wider set. */
-        const int64_t *wide = order + NEAR_TARGETS;
-        Py_ssize_t nw = size - NEAR_TARGETS;
-        found = cheap(s, a, s->heavy, nh, wide, nw, tol, 1, &change);
-        if (!found) found = exchange_family(s, a, s->heavy, nh, wide, nw, tol, &change);
+    for (size_t e = 0; e < sizeof(PHASE1) / sizeof(PHASE1[0]); e++) {
+        const int64_t *targets = order;
+        Py_ssize_t nt = size < NEAR_TARGETS ? size : NEAR_TARGETS;
+        if (PHASE1[e].partners == WIDE) {
+            targets = order + NEAR_TARGETS;
+            nt = size > NEAR_TARGETS ? size - NEAR_TARGETS : 0;
+        } else if (PHASE1[e].partners == FAR) {
+            if (far < 0) {
+                far = 0;
+                if (size == held && want < count) {
+                    for (int64_t r = 0; r < count && far < s->n; r++) {
+                        if (s->load[r] < top - tol && lighter(s->load, order[held - 1], r)) {
+                            order[held + far++] = r;
+                        }
+                    }
+                }
+            }
+            targets = order + held;
+            nt = far;
+        }
+        if (nt == 0) continue;
+        int found = PHASE1[e].family(s, a, s->heavy, nh, targets, nt, tol, &change);
         if (found < 0) return -2;
         if (found) return apply_change(s, &change);
     }
-    if (size == held && want < count) {
-        /* Last: moves and bin swaps with every other lighter rank, in rank order. */
-        int64_t *far = order + held;
-        Py_ssize_t nf = 0;
-        for (int64_t r = 0; r < count && nf < s->n; r++) {
-            if (s->load[r] < top - tol && lighter(s->load, order[held - 1], r)) far[nf++] = r;
-        }
-        if (nf > 0 && cheap(s, a, s->heavy, nh, far, nf, tol, 0, &change)) {
-            return apply_change(s, &change);
-        }
-    }
     return -1;
 }
+
+static int64_t improve_attempt(void *s, int64_t a) { return improve((search_t *)s, a); }
 
 /*
  * refine_search(cost, tok, bud, limits, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost,
@@ -1403,27 +1446,9 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     }
 
     Py_BEGIN_ALLOW_THREADS
-    for (; attempts < budget; attempts++) {
-        int64_t top = 0;
-        for (int64_t r = 1; r < ranks; r++) if (s.load[r] > s.load[top]) top = r;
-        if (!sumsq && (s.stuck[top] || s.load[top] <= good_enough)) break;
-        int64_t a = -1;
-        for (int64_t r = 0; r < ranks; r++) {
-            if (!s.stuck[r] && (a < 0 || s.load[r] > s.load[a])) a = r;
-        }
-        if (a < 0) break;
-        int64_t partner = improve(&s, a);
-        if (partner == -2) {
-            failed = 1;
-            break;
-        }
-        if (partner < 0) {
-            s.stuck[a] = 1;
-        } else {
-            s.stuck[a] = 0;
-            s.stuck[partner] = 0;
-        }
-    }
+    drive_t run = drive(&s, improve_attempt, s.load, s.stuck, ranks, budget, good_enough, sumsq);
+    attempts = run.attempts;
+    failed = run.failed;
     Py_END_ALLOW_THREADS
     if (failed) {
         PyErr_NoMemory();

@@ -24,9 +24,11 @@
  *
  * A change moving net cost d from `a` to a rank b is accepted only when 0 < d < load[a] -
  * load[b] (both end strictly below load[a]), scored max(load[a] - d, load[b] + d), the least
- * score winning and ties going to the first candidate in the order stated: exactly the
- * acceptance rule of the first phase, so the two phases together still improve the maximum,
- * then the sum of squares, and cannot cycle. Not used with packing budgets.
+ * score winning and ties going to the first candidate in the order stated: the acceptance
+ * rule of every family (_drive.h), so the two phases together still improve the maximum,
+ * then the sum of squares, and cannot cycle. Both phases run on the one driver of _drive.h,
+ * each with its table of families (PHASE1 in _native.c, PHASE2 here). Not used with packing
+ * budgets.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_drive.h"
 #include "_vec.h"
 
 /* Tuning constants: listed in engine/_planning/schedule.py (CORE_CONSTANTS), which must match. */
@@ -346,23 +349,50 @@ static int apply_subset(polish_t *s, const subset_t *c) {
     return 0;
 }
 
-/* One attempt on rank a: the partner rank changed, -1 when nothing improves, -2 on no
-   memory. */
-static int64_t polish_improve(polish_t *s, int64_t a) {
+/* A change of this phase: a group-wide move of sample i to bin y, or a subset exchange. */
+typedef struct {
+    int subset; /* 0: move (i, y), 1: the exchange `exchange` */
+    int64_t i, y;
+    subset_t exchange;
+} pchange_t;
+
+/* This phase's move families, one signature: the best change of the family on rank a by the
+   acceptance rule of _drive.h, into `best`; 1 when found, 0 when none, -1 on no memory. */
+typedef int (*pfamily_t)(polish_t *s, int64_t a, double tol, pchange_t *best);
+
+static int move_anywhere(polish_t *s, int64_t a, double tol, pchange_t *best) {
+    double score;
+    best->subset = 0;
+    return wide_move(s, a, tol, &best->i, &best->y, &score);
+}
+
+static int subset_family(polish_t *s, int64_t a, double tol, pchange_t *best) {
+    best->subset = 1;
+    best->exchange = (subset_t){-1, -1, 0, 0, 0.0};
+    return subset_exchange(s, a, tol, &best->exchange);
+}
+
+/* The second phase's table, tried in order until one family finds a change (family 1, then
+   family 2 of the file comment). */
+static const pfamily_t PHASE2[] = {move_anywhere, subset_family};
+
+/* One attempt of this phase on rank a (an improve_t, see _drive.h): the partner rank
+   changed, -1 when nothing improves, -2 on no memory. */
+static int64_t polish_attempt(void *search, int64_t a) {
+    polish_t *s = (polish_t *)search;
     double top = s->load[a];
     double tol = 1e-12 * fabs(top) + 1e-300;
-    int64_t i, y;
-    double score;
-    if (wide_move(s, a, tol, &i, &y, &score)) {
-        if (relocate(s, i, y) < 0) return -2;
-        return y / s->per;
-    }
-    subset_t best = {-1, -1, 0, 0, 0.0};
-    int found = subset_exchange(s, a, tol, &best);
-    if (found < 0) return -2;
-    if (found) {
-        if (apply_subset(s, &best) < 0) return -2;
-        return best.y / s->per;
+    pchange_t change;
+    for (size_t e = 0; e < sizeof(PHASE2) / sizeof(PHASE2[0]); e++) {
+        int found = PHASE2[e](s, a, tol, &change);
+        if (found < 0) return -2;
+        if (!found) continue;
+        if (!change.subset) {
+            if (relocate(s, change.i, change.y) < 0) return -2;
+            return change.y / s->per;
+        }
+        if (apply_subset(s, &change.exchange) < 0) return -2;
+        return change.exchange.y / s->per;
     }
     return -1;
 }
@@ -472,28 +502,9 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t attempts = 0; attempts < budget; attempts++) {
-        int64_t top = 0;
-        for (int64_t r = 1; r < ranks; r++) if (s.load[r] > s.load[top]) top = r;
-        if (!sumsq && (s.stuck[top] || s.load[top] <= good_enough)) break;
-        int64_t a = -1;
-        for (int64_t r = 0; r < ranks; r++) {
-            if (!s.stuck[r] && (a < 0 || s.load[r] > s.load[a])) a = r;
-        }
-        if (a < 0) break;
-        int64_t partner = polish_improve(&s, a);
-        if (partner == -2) {
-            failed = 1;
-            break;
-        }
-        if (partner < 0) {
-            s.stuck[a] = 1;
-        } else {
-            changes++;
-            s.stuck[a] = 0;
-            s.stuck[partner] = 0;
-        }
-    }
+    drive_t run = drive(&s, polish_attempt, s.load, s.stuck, ranks, budget, good_enough, sumsq);
+    changes = run.changes;
+    failed = run.failed;
     Py_END_ALLOW_THREADS
     if (failed) {
         PyErr_NoMemory();
