@@ -18,6 +18,7 @@ _NOT_TUNING = {
     ("columns.py", "_INT64_MAX"): "the largest int64, a representation limit",
     ("search.py", "_COMPILED_STATE_BINS"): "where numpy's summation order changes (rounding)",
     ("settle.py", "_MARGIN"): "rounding margin between two summation orders",
+    ("native.py", "ALL_FAMILIES"): "a bit mask: every entry of a phase's table of families",
     ("bounds.py", "_ROUNDING"): "rounding margin of the reported bound",
     ("bounds.py", "_CAPACITY_CANDIDATES"): "work of the reported bound; plans do not read it",
     ("bounds.py", "_HEAVY_SHARES"): "work of the reported bound; plans do not read it",

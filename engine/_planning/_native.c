@@ -441,6 +441,9 @@ typedef struct {
        equals a fresh sort of its samples. */
     vec_t *rank_sorted, *bin_sorted;
     unsigned char *rank_stale, *bin_stale;
+    /* Entries of PHASE1 in use: bit e for entry e (all of them but in tests, which hold each
+       family to its oracle on its own). */
+    unsigned long long families;
 } search_t;
 
 
@@ -1292,7 +1295,7 @@ static int64_t improve(search_t *s, int64_t a) {
             targets = order + held;
             nt = far;
         }
-        if (nt == 0) continue;
+        if (nt == 0 || !((s->families >> e) & 1)) continue;
         int found = PHASE1[e].family(s, a, s->heavy, nh, targets, nt, tol, &change);
         if (found < 0) return -2;
         if (found) return apply_change(s, &change);
@@ -1305,12 +1308,12 @@ static int64_t improve_attempt(void *s, int64_t a) { return improve((search_t *)
 /*
  * refine_search(cost, tok, bud, limits, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost,
  *               bin_bud, load, out_flat, out_sizes, per_rank, seq_len, budget, good_enough,
- *               sumsq) -> attempts
+ *               sumsq[, families]) -> attempts
  *
  * bud is the samples' budget footprints (n x len(limits)), limits the packing budgets
  * (empty for none). The start layout is (flat, sizes); bin_of .. load are the search state
  * for it (search.py builds them) and are updated in place; the final layout goes to
- * (out_flat, out_sizes).
+ * (out_flat, out_sizes). families: the PHASE1 entries in use, bit e for entry e (default all).
  */
 static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer cost_b, tok_b, bud_b, lim_b, flat_b, sizes_b, bin_of_b, cnt_b, btok_b, bcost_b,
@@ -1318,15 +1321,17 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t per, seq_len, budget;
     double good_enough;
     int sumsq;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*w*w*w*w*w*w*nnndp", &cost_b, &tok_b, &bud_b,
+    unsigned long long families = ~0ULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*w*w*w*w*w*w*w*w*nnndp|K", &cost_b, &tok_b, &bud_b,
                           &lim_b, &flat_b, &sizes_b, &bin_of_b, &cnt_b, &btok_b, &bcost_b,
                           &bbud_b, &load_b, &of_b, &os_b, &per, &seq_len, &budget,
-                          &good_enough, &sumsq)) {
+                          &good_enough, &sumsq, &families)) {
         return NULL;
     }
     PyObject *result = NULL;
     search_t s;
     memset(&s, 0, sizeof(s));
+    s.families = families;
     void *block = NULL;
     Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
     Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);

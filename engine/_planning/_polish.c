@@ -68,6 +68,8 @@ typedef struct {
     double *minc, *maxc;
     unsigned char *stuck;
     long long cells_left;
+    /* Entries of PHASE2 in use: bit e for entry e (all of them but in tests). */
+    unsigned long long families;
 } polish_t;
 
 static inline double pmax(double x, double y) { return x >= y ? x : y; }
@@ -384,6 +386,7 @@ static int64_t polish_attempt(void *search, int64_t a) {
     double tol = 1e-12 * fabs(top) + 1e-300;
     pchange_t change;
     for (size_t e = 0; e < sizeof(PHASE2) / sizeof(PHASE2[0]); e++) {
+        if (!((s->families >> e) & 1)) continue;
         int found = PHASE2[e](s, a, tol, &change);
         if (found < 0) return -2;
         if (!found) continue;
@@ -399,11 +402,12 @@ static int64_t polish_attempt(void *search, int64_t a) {
 
 /*
  * polish(cost, tok, flat, sizes, bin_of, bin_cnt, bin_tok, bin_cost, load, out_flat,
- *        out_sizes, per_rank, seq_len, budget, good_enough, sumsq, cells) -> changes
+ *        out_sizes, per_rank, seq_len, budget, good_enough, sumsq, cells[, families]) -> changes
  *
  * The search state (bin_of .. load, see search.py) describes the layout (flat, sizes) and is
  * updated in place; the final layout goes to (out_flat, out_sizes). At most `budget`
- * attempts, and `cells` knapsack cells in all. Returns the number of changes applied.
+ * attempts, and `cells` knapsack cells in all; `families`: the PHASE2 entries in use, bit e
+ * for entry e (default all). Returns the number of changes applied.
  */
 PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer cost_b, tok_b, flat_b, sizes_b, bin_of_b, cnt_b, btok_b, bcost_b, load_b, of_b,
@@ -412,14 +416,16 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
     double good_enough;
     int sumsq;
     long long cells;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*w*w*w*w*nnndpL", &cost_b, &tok_b, &flat_b,
+    unsigned long long families = ~0ULL;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*w*w*w*w*w*w*w*nnndpL|K", &cost_b, &tok_b, &flat_b,
                           &sizes_b, &bin_of_b, &cnt_b, &btok_b, &bcost_b, &load_b, &of_b, &os_b,
-                          &per, &seq_len, &budget, &good_enough, &sumsq, &cells)) {
+                          &per, &seq_len, &budget, &good_enough, &sumsq, &cells, &families)) {
         return NULL;
     }
     PyObject *result = NULL;
     polish_t s;
     memset(&s, 0, sizeof(s));
+    s.families = families;
     void *block = NULL;
     Py_ssize_t n = cost_b.len / (Py_ssize_t)sizeof(double);
     Py_ssize_t nb = sizes_b.len / (Py_ssize_t)sizeof(int64_t);
