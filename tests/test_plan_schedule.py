@@ -96,7 +96,7 @@ def test_the_scan_finds_a_constant_defined_outside_the_schedule() -> None:
 
 def test_every_tuning_define_of_the_core_is_listed_in_the_schedule_and_matches() -> None:
     listed = {name: (value, file) for name, (value, file, _) in schedule.CORE_CONSTANTS.items()}
-    for path in sorted(_PLANNING.glob("*.c")):
+    for path in sorted([*_PLANNING.glob("*.c"), *_PLANNING.glob("*.h")]):
         for name, value in c_defines(path.read_text()).items():
             if name in _C_NOT_TUNING:
                 continue

@@ -156,11 +156,11 @@ WINDOW_PASSES = 2
 # given (tests/test_plan_schedule.py compares all three). The measurements are next to the
 # #define, where the C reads them.
 CORE_CONSTANTS: dict[str, tuple[int, str, str]] = {
-    "NEAR_TARGETS": (4, "_native.c", "lightest ranks every first-phase family tries"),
-    "WIDE_TARGETS": (32, "_native.c", "next ranks moves and run exchanges try before giving up"),
-    "FULL_SWAP_PAIRS": (4096, "_native.c", "swap pairs scanned in full; above, cost windows"),
-    "SWAP_NEIGHBOURS": (4, "_native.c", "swap window: partners each side of the matched cost"),
-    "EXCHANGE_CANDIDATES": (8, "_native.c", "costliest samples offered for a run exchange"),
+    "NEAR_TARGETS": (4, "_search.h", "lightest ranks every first-phase family tries"),
+    "WIDE_TARGETS": (32, "_search.h", "next ranks moves and run exchanges try before giving up"),
+    "FULL_SWAP_PAIRS": (4096, "_search.h", "swap pairs scanned in full; above, cost windows"),
+    "SWAP_NEIGHBOURS": (4, "_search.h", "swap window: partners each side of the matched cost"),
+    "EXCHANGE_CANDIDATES": (8, "_search.h", "costliest samples offered for a run exchange"),
     "POLISH_PARTNERS": (8, "_polish.c", "lightest ranks the subset exchange tries"),
     "SUBSET_CANDIDATES": (8, "_polish.c", "costliest samples offered for a subset exchange"),
     "SETTLE_EXACT_ASSIGN": (128, "_settle.c", "ranks up to which labels are exact (Hungarian)"),
