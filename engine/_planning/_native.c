@@ -682,8 +682,8 @@ done:
     return result;
 }
 
-/* Defined in _settle.c, _polish.c and _bound.c (the search's own files, _search.c, _move.c,
-   _swap.c and _exchange.c, define no method). */
+/* Defined in _settle.c, _polish.c and _bound.c (the search's other files, _search.c, _move.c,
+   _swap.c, _exchange.c, _wide_move.c and _subset.c, define no method). */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
 int evenflow_settle_constants(PyObject *mod);
 int evenflow_polish_constants(PyObject *mod);

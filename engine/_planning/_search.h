@@ -5,6 +5,9 @@
 #ifndef EVENFLOW_SEARCH_H
 #define EVENFLOW_SEARCH_H
 
+#ifndef PY_SSIZE_T_CLEAN
+#define PY_SSIZE_T_CLEAN
+#endif
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>

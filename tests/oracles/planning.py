@@ -46,7 +46,7 @@ SUBSET_CANDIDATES: int = _core.SUBSET_CANDIDATES
 # Room of a bin holding a single sample: anything may join it when that sample leaves, since
 # a sample alone in its bin may be oversized.
 UNBOUNDED = np.iinfo(np.int64).max
-# The first phase's table (PHASE1 in _native.c): (family, partner set) in the order tried; the
+# The first phase's table (PHASE1 in _search.c): (family, partner set) in the order tried; the
 # first entry that finds a change applies it. Partner sets: the NEAR_TARGETS lightest ranks,
 # the next WIDE_TARGETS, every other lighter rank (see OracleSearch._improve).
 PHASE1 = (
