@@ -19,7 +19,16 @@
 #define EVENFLOW_DRIVE_H
 
 #include <Python.h>
+#include <math.h>
 #include <stdint.h>
+
+/* The tolerance of an attempt on a rank of load `top`: a change within it of top's rounding is
+   no improvement. */
+static inline double attempt_tolerance(double top) { return 1e-12 * fabs(top) + 1e-300; }
+
+/* The acceptance rule of every family (see above): net cost d moved from the attempt's rank to
+   a rank `gap` below it improves when 0 < d < gap, beyond the tolerance. */
+static inline int accepts(double d, double gap, double tol) { return d > tol && d < gap - tol; }
 
 /* One attempt on rank a: the partner rank changed, -1 when a admits no improving change, -2
    when memory ran out. */

@@ -3,6 +3,7 @@
  * EXCHANGE_CANDIDATES costliest samples for a run of consecutive-by-length samples of one
  * partner bin with a compatible token total.
  */
+#include "_drive.h"
 #include "_search.h"
 
 /* Budgets of exchanging sample i (bin x) for the sorted partners [start, end) of bin y:
@@ -146,7 +147,7 @@ int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_ssize_t
                 if (!(end >= k + 2 && end <= stop[k] && run_tok >= lo && run_tok <= hi)) continue;
                 double gap = gap_of[k];
                 double delta = ch - (cp[end] - cp[k]);
-                if (!(delta > tol && delta < gap - tol)) continue;
+                if (!accepts(delta, gap, tol)) continue;
                 if (K && !exchange_budgets_hold(s, i, s->bin_of[light[k]], k, end)) continue;
                 double score = dmax(top - delta, (top - gap) + delta);
                 if (prow < 0 || score < pass_score) {

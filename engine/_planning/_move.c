@@ -4,6 +4,7 @@
  * made possible by first shifting one of the partner's samples to another of its bins when no
  * plain move fits (shifted_move_family; not under packing budgets).
  */
+#include "_drive.h"
 #include "_search.h"
 
 /* _move_with_room: returns the best score (INFINITY when nothing qualifies). */
@@ -64,7 +65,7 @@ static double move_with_room(search_t *s, const int64_t *hi, Py_ssize_t nh,
         for (Py_ssize_t t = 0; t < nt; t++) {
             int64_t room = s->best_k[t] >= 0 ? freed[s->best_k[t]] : -1;
             double tload = s->load[targets[t]];
-            if (!(th <= room && ch < (top - tload) - tol)) continue;
+            if (!(th <= room && accepts(ch, top - tload, tol))) continue;
             double score = dmax(top - ch, tload + ch);
             if (score < best_score) {
                 best_score = score;
@@ -119,7 +120,9 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
                 double yload = s->load[targets[t]];
                 for (Py_ssize_t p = 0; p < per; p++) {
                     int64_t y = targets[t] * per + p;
-                    if (!(th <= s->seq_len - s->bin_tok[y] && ch < (top - yload) - tol)) continue;
+                    if (!(th <= s->seq_len - s->bin_tok[y] && accepts(ch, top - yload, tol))) {
+                        continue;
+                    }
                     if (s->nbud &&
                         !budgets_hold(s, s->bin_bud + y * s->nbud, NULL, s->bud + hi[h] * s->nbud))
                         continue;
@@ -149,7 +152,7 @@ static int cheap(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh,
             for (Py_ssize_t p = 0; p < per; p++) {
                 int64_t y = targets[t] * per + p;
                 double delta = s->bin_cost[x] - s->bin_cost[y];
-                if (!(delta > tol && delta < (top - yload) - tol)) continue;
+                if (!accepts(delta, top - yload, tol)) continue;
                 double score = dmax(top - delta, yload + delta);
                 if (bx < 0 || score < swap_score) {
                     swap_score = score;

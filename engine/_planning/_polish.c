@@ -68,7 +68,7 @@ static const pfamily_t PHASE2[] = {move_anywhere, subset_family};
 static int64_t polish_attempt(void *search, int64_t a) {
     polish_t *s = (polish_t *)search;
     double top = s->load[a];
-    double tol = 1e-12 * fabs(top) + 1e-300;
+    double tol = attempt_tolerance(top);
     pchange_t change;
     for (size_t e = 0; e < sizeof(PHASE2) / sizeof(PHASE2[0]); e++) {
         if (!((s->families >> e) & 1)) continue;

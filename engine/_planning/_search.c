@@ -3,6 +3,7 @@
  * how a change is applied, and its table of move families with one attempt walking it (the
  * driver loop is _drive.h's; each family is in a file of its own).
  */
+#include "_drive.h"
 #include "_search.h"
 
 /* _rank_samples: rank r's samples in bin order. */
@@ -297,7 +298,7 @@ static const entry_t PHASE1[] = {
    changed, -1 when a admits no improving change, -2 when out of memory. */
 static int64_t improve(search_t *s, int64_t a) {
     double top = s->load[a];
-    double tol = 1e-12 * fabs(top) + 1e-300;
+    double tol = attempt_tolerance(top);
     Py_ssize_t count = s->ranks;
     Py_ssize_t reach = NEAR_TARGETS + (s->sumsq ? 0 : WIDE_TARGETS);
     Py_ssize_t want = count - 1 > reach ? reach : count;

@@ -3,6 +3,7 @@
  * most loaded rank's SUBSET_CANDIDATES costliest samples for any subset of one partner bin,
  * by a 0/1 knapsack over that bin's samples by exact token total, within a cell allowance.
  */
+#include "_drive.h"
 #include "_polish.h"
 
 /* Knapsack over items[0..m) up to `cap` tokens: minc/maxc[T] the least / largest cost of a
@@ -129,7 +130,7 @@ static int subset_exchange(polish_t *s, int64_t a, double tol, subset_t *best) {
                         double v = which ? s->maxc[t] : s->minc[t];
                         if (!isfinite(v)) continue;
                         double delta = ci - v;
-                        if (!(delta > tol && delta < gap - tol)) continue;
+                        if (!accepts(delta, gap, tol)) continue;
                         double score = pmax(top - delta, lr + delta);
                         if (!found || score < best->score) {
                             found = 1;

@@ -3,6 +3,7 @@
  * partner rank (cost-matched windows of SWAP_NEIGHBOURS each side past FULL_SWAP_PAIRS
  * pairs).
  */
+#include "_drive.h"
 #include "_search.h"
 
 /* _swap (-1 when out of memory) */
@@ -104,7 +105,7 @@ int swap_family(search_t *s, int64_t a, const int64_t *heavy, Py_ssize_t nh_all,
     do {                                                                                       \
         double lload = lld[k];                                                                 \
         double delta = ch - cl[k];                                                             \
-        if (!(delta > tol && delta < (top - lload) - tol)) break;                              \
+        if (!accepts(delta, top - lload, tol)) break;                                          \
         if (!(tl[k] <= room_x && th <= room_y[k])) break;                                      \
         if (s->nbud) {                                                                         \
             /* x keeps (sums - i) + j unless i is alone there; y (sums - j) + i likewise. */   \

@@ -3,6 +3,7 @@
  * the most loaded rank to the least loaded rank of the whole group that has a bin with room,
  * ranks indexed by the room of their roomiest bin.
  */
+#include "_drive.h"
 #include "_polish.h"
 
 /* Ranks by (room of their roomiest bin descending, rank ascending): bottom-up merge sort. */
@@ -70,7 +71,7 @@ static int wide_move(polish_t *s, int64_t a, double tol, int64_t *mi, int64_t *m
             if (lo == 0) continue;
             int64_t r = s->prefarg[lo - 1];
             double lr = s->load[r];
-            if (!(ci < (top - lr) - tol)) continue;
+            if (!accepts(ci, top - lr, tol)) continue;
             double score = pmax(top - ci, lr + ci);
             if (!found || score < best_score) {
                 found = 1;

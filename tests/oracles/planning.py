@@ -9,7 +9,8 @@ included. ``OracleRefine`` is the default algorithm with these kernels in place 
 compiled ones (same starts, same final choice).
 
 The search's tuning constants are read from the compiled module, where they are defined;
-the tolerance ``1e-12 * |top| + 1e-300`` is written out here and in ``improve`` in the C.
+the tolerance ``1e-12 * |top| + 1e-300`` is written out here and in ``attempt_tolerance``
+in ``_drive.h``.
 """
 
 from __future__ import annotations
