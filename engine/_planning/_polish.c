@@ -43,22 +43,6 @@ int evenflow_polish_constants(PyObject *mod) {
                : 0;
 }
 
-int polish_relocate(polish_t *s, int64_t i, int64_t dst) {
-    int64_t src = s->bin_of[i];
-    if (vec_push(&s->members[dst], i) < 0) return -1;
-    vec_remove(&s->members[src], i);
-    s->bin_of[i] = dst;
-    s->bin_tok[src] -= s->tok[i];
-    s->bin_tok[dst] += s->tok[i];
-    s->bin_cnt[src] -= 1;
-    s->bin_cnt[dst] += 1;
-    s->bin_cost[src] -= s->cost[i];
-    s->bin_cost[dst] += s->cost[i];
-    s->load[src / s->per] -= s->cost[i];
-    s->load[dst / s->per] += s->cost[i];
-    return 0;
-}
-
 /* The second phase's table, tried in order until one family finds a change (family 1, then
    family 2 of the file comment). */
 static const pfamily_t PHASE2[] = {move_anywhere, subset_family};
@@ -66,7 +50,7 @@ static const pfamily_t PHASE2[] = {move_anywhere, subset_family};
 /* One attempt of this phase on rank a (an improve_t, see _drive.h): the partner rank
    changed, -1 when nothing improves, -2 on no memory. */
 static int64_t polish_attempt(void *search, int64_t a) {
-    polish_t *s = (polish_t *)search;
+    search_t *s = (search_t *)search;
     double top = s->load[a];
     double tol = attempt_tolerance(top);
     pchange_t change;
@@ -76,7 +60,7 @@ static int64_t polish_attempt(void *search, int64_t a) {
         if (found < 0) return -2;
         if (!found) continue;
         if (!change.subset) {
-            if (polish_relocate(s, change.i, change.y) < 0) return -2;
+            if (search_relocate(s, change.i, change.y) < 0) return -2;
             return change.y / s->per;
         }
         if (apply_subset(s, &change.exchange) < 0) return -2;
@@ -108,7 +92,7 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     }
     PyObject *result = NULL;
-    polish_t s;
+    search_t s;
     memset(&s, 0, sizeof(s));
     s.families = families;
     void *block = NULL;
@@ -132,10 +116,18 @@ PyObject *evenflow_polish(PyObject *Py_UNUSED(self), PyObject *args) {
     block = calloc(words, sizeof(int64_t));
     s.members = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
     s.stuck = (unsigned char *)calloc((size_t)ranks, 1);
-    if (block == NULL || s.members == NULL || s.stuck == NULL) {
+    /* The first phase's sorted views, unused here: stale throughout, so moves skip them. */
+    s.bin_sorted = (vec_t *)calloc((size_t)nb, sizeof(vec_t));
+    s.rank_sorted = (vec_t *)calloc((size_t)ranks, sizeof(vec_t));
+    s.bin_stale = (unsigned char *)malloc((size_t)nb);
+    s.rank_stale = (unsigned char *)malloc((size_t)ranks);
+    if (block == NULL || s.members == NULL || s.stuck == NULL || s.bin_sorted == NULL ||
+        s.rank_sorted == NULL || s.bin_stale == NULL || s.rank_stale == NULL) {
         PyErr_NoMemory();
         goto done;
     }
+    memset(s.bin_stale, 1, (size_t)nb);
+    memset(s.rank_stale, 1, (size_t)ranks);
     int64_t *w = (int64_t *)block;
     s.order = w; w += ranks;
     s.room = w; w += ranks;
@@ -218,6 +210,10 @@ done:
     }
     free(s.members);
     free(s.stuck);
+    free(s.bin_sorted);
+    free(s.rank_sorted);
+    free(s.bin_stale);
+    free(s.rank_stale);
     free(block);
     PyBuffer_Release(&cost_b);
     PyBuffer_Release(&tok_b);

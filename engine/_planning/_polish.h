@@ -1,6 +1,7 @@
 /* The second search phase of the default algorithm, shared by the files that make it up:
    _polish.c (the Python entry, the table of families and one attempt) and one file per move
-   family (_wide_move.c, _subset.c). The driver loop is _drive.h's. */
+   family (_wide_move.c, _subset.c). It runs on the first phase's state (search_t, _search.h)
+   and the driver loop of _drive.h. */
 #ifndef EVENFLOW_POLISH_H
 #define EVENFLOW_POLISH_H
 
@@ -13,31 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "_search.h"
 #include "_vec.h"
 
 /* Tuning constants: listed in engine/_planning/schedule.py (CORE_CONSTANTS), which must match. */
 #define POLISH_PARTNERS 8
 #define SUBSET_CANDIDATES 8
-
-typedef struct {
-    Py_ssize_t ranks, per, n;
-    int64_t seq_len;
-    int sumsq;
-    const double *cost;
-    const int64_t *tok;
-    vec_t *members;
-    int64_t *bin_of, *bin_cnt, *bin_tok;
-    double *bin_cost, *load;
-    /* scratch */
-    int64_t *order, *room, *prefarg, *tmp, *heavy, *items;
-    double *minc, *maxc;
-    unsigned char *stuck;
-    long long cells_left;
-    /* Entries of PHASE2 in use: bit e for entry e (all of them but in tests). */
-    unsigned long long families;
-} polish_t;
-
-static inline double pmax(double x, double y) { return x >= y ? x : y; }
 
 typedef struct {
     int64_t i, y, t;
@@ -54,15 +36,12 @@ typedef struct {
 
 /* This phase's move families, one signature: the best change of the family on rank a by the
    acceptance rule of _drive.h, into `best`; 1 when found, 0 when none, -1 on no memory. */
-typedef int (*pfamily_t)(polish_t *s, int64_t a, double tol, pchange_t *best);
-
-/* Sample i to bin dst, the state kept up to date (_polish.c); -1 when out of memory. */
-int polish_relocate(polish_t *s, int64_t i, int64_t dst);
+typedef int (*pfamily_t)(search_t *s, int64_t a, double tol, pchange_t *best);
 
 /* The families (one file each): the group-wide move (_wide_move.c) and the subset exchange
    (_subset.c), and applying the latter. */
-int move_anywhere(polish_t *s, int64_t a, double tol, pchange_t *best);
-int subset_family(polish_t *s, int64_t a, double tol, pchange_t *best);
-int apply_subset(polish_t *s, const subset_t *c);
+int move_anywhere(search_t *s, int64_t a, double tol, pchange_t *best);
+int subset_family(search_t *s, int64_t a, double tol, pchange_t *best);
+int apply_subset(search_t *s, const subset_t *c);
 
 #endif

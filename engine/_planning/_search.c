@@ -136,6 +136,10 @@ static int relocate(search_t *s, int64_t i, int64_t src, int64_t dst) {
     return 0;
 }
 
+int search_relocate(search_t *s, int64_t i, int64_t dst) {
+    return relocate(s, i, s->bin_of[i], dst);
+}
+
 /* Sort sample indices by `before` (a strict total order), bottom-up merge sort via `tmp`. */
 static void sort_samples(const search_t *s, int64_t *a, Py_ssize_t n, int64_t *tmp,
                          before_t before) {

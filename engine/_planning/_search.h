@@ -1,7 +1,8 @@
-/* The first search phase of the default algorithm, shared by the files that make it up:
-   _search.c (the state's upkeep, the table of families and one attempt), one file per move
-   family (_move.c, _swap.c, _exchange.c) and _native.c (the Python entry, refine_search).
-   The driver loop is _drive.h's. */
+/* The search state of both phases of the default algorithm's local search, and the first
+   phase, shared by the files that make it up: _search.c (the state's upkeep, the table of
+   families and one attempt), one file per move family (_move.c, _swap.c, _exchange.c) and
+   _native.c (the Python entry, refine_search). The second phase (_polish.h) runs on the same
+   state; the driver loop is _drive.h's. */
 #ifndef EVENFLOW_SEARCH_H
 #define EVENFLOW_SEARCH_H
 
@@ -70,9 +71,15 @@ typedef struct {
        equals a fresh sort of its samples. */
     vec_t *rank_sorted, *bin_sorted;
     unsigned char *rank_stale, *bin_stale;
-    /* Entries of PHASE1 in use: bit e for entry e (all of them but in tests, which hold each
-       family to its oracle on its own). */
+    /* Entries of the phase's table in use (PHASE1, or PHASE2 of _polish.c): bit e for entry e
+       (all of them but in tests, which hold each family to its oracle on its own). */
     unsigned long long families;
+    /* The second phase's scratch (_polish.c, its families): ranks by the room of their
+       roomiest bin and prefix minima over them, a merge buffer, a knapsack's items and cost
+       tables, and the knapsack cells left. */
+    int64_t *room, *prefarg, *tmp, *items;
+    double *minc, *maxc;
+    long long cells_left;
 } search_t;
 
 /* np.maximum of two non-NaN doubles. */
@@ -95,7 +102,9 @@ static inline void mark_stale(search_t *s, int64_t b) {
 
 typedef int (*before_t)(const search_t *, int64_t, int64_t);
 
-/* The state's upkeep (_search.c). */
+/* The state's upkeep (_search.c); search_relocate moves sample i to bin dst (-1 when out of
+   memory, the sample left where it was). */
+int search_relocate(search_t *s, int64_t i, int64_t dst);
 Py_ssize_t rank_samples(const search_t *s, int64_t r, int64_t *out);
 int cost_down(const search_t *s, int64_t i, int64_t j);
 const vec_t *rank_by_cost(search_t *s, int64_t r);

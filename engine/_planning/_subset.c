@@ -9,7 +9,7 @@
 /* Knapsack over items[0..m) up to `cap` tokens: minc/maxc[T] the least / largest cost of a
    subset with exactly T tokens (+inf / -inf when none). With `take` (m * (cap + 1) bytes)
    records which item last improved each entry, for the reconstruction. */
-static void knapsack(const polish_t *s, const int64_t *items, Py_ssize_t m, int64_t cap,
+static void knapsack(const search_t *s, const int64_t *items, Py_ssize_t m, int64_t cap,
                      double *minc, double *maxc, unsigned char *take_min,
                      unsigned char *take_max) {
     minc[0] = 0.0;
@@ -41,7 +41,7 @@ static void knapsack(const polish_t *s, const int64_t *items, Py_ssize_t m, int6
 }
 
 /* Items of bin y for the knapsack: its samples of at most `cap` tokens, by index. */
-static Py_ssize_t bin_items(polish_t *s, int64_t y, int64_t cap, int64_t *items) {
+static Py_ssize_t bin_items(search_t *s, int64_t y, int64_t cap, int64_t *items) {
     const vec_t *l = &s->members[y];
     Py_ssize_t m = 0;
     for (Py_ssize_t k = 0; k < l->n; k++) {
@@ -60,12 +60,12 @@ static Py_ssize_t bin_items(polish_t *s, int64_t y, int64_t cap, int64_t *items)
 }
 
 /* (cost descending, index ascending): i comes before j. */
-static inline int costlier(const polish_t *s, int64_t i, int64_t j) {
+static inline int costlier(const search_t *s, int64_t i, int64_t j) {
     return s->cost[i] > s->cost[j] || (s->cost[i] == s->cost[j] && i < j);
 }
 
 /* Family 2; returns 1 and fills `best` when an exchange qualifies. */
-static int subset_exchange(polish_t *s, int64_t a, double tol, subset_t *best) {
+static int subset_exchange(search_t *s, int64_t a, double tol, subset_t *best) {
     Py_ssize_t per = s->per, R = s->ranks;
     double top = s->load[a];
     /* Candidates: a's SUBSET_CANDIDATES costliest samples by (cost desc, index), kept in a
@@ -131,7 +131,7 @@ static int subset_exchange(polish_t *s, int64_t a, double tol, subset_t *best) {
                         if (!isfinite(v)) continue;
                         double delta = ci - v;
                         if (!accepts(delta, gap, tol)) continue;
-                        double score = pmax(top - delta, lr + delta);
+                        double score = dmax(top - delta, lr + delta);
                         if (!found || score < best->score) {
                             found = 1;
                             best->i = i;
@@ -150,7 +150,7 @@ static int subset_exchange(polish_t *s, int64_t a, double tol, subset_t *best) {
 
 /* Apply a subset exchange: rebuild the knapsack for bin y with its records, take the
    subset back out, and swap it for sample i. 0, or -1 on no memory. */
-int apply_subset(polish_t *s, const subset_t *c) {
+int apply_subset(search_t *s, const subset_t *c) {
     int64_t x = s->bin_of[c->i];
     Py_ssize_t m = bin_items(s, c->y, c->t, s->items);
     unsigned char *take = (unsigned char *)malloc((size_t)m * (size_t)(c->t + 1));
@@ -166,14 +166,14 @@ int apply_subset(polish_t *s, const subset_t *c) {
         }
     }
     free(take);
-    if (polish_relocate(s, c->i, c->y) < 0) return -1;
+    if (search_relocate(s, c->i, c->y) < 0) return -1;
     for (Py_ssize_t k = chosen - 1; k >= 0; k--) {
-        if (polish_relocate(s, s->heavy[k], x) < 0) return -1;
+        if (search_relocate(s, s->heavy[k], x) < 0) return -1;
     }
     return 0;
 }
 
-int subset_family(polish_t *s, int64_t a, double tol, pchange_t *best) {
+int subset_family(search_t *s, int64_t a, double tol, pchange_t *best) {
     best->subset = 1;
     best->exchange = (subset_t){-1, -1, 0, 0, 0.0};
     return subset_exchange(s, a, tol, &best->exchange);

@@ -7,7 +7,7 @@
 #include "_polish.h"
 
 /* Ranks by (room of their roomiest bin descending, rank ascending): bottom-up merge sort. */
-static void sort_by_room(polish_t *s) {
+static void sort_by_room(search_t *s) {
     int64_t *src = s->order, *dst = s->tmp;
     Py_ssize_t n = s->ranks;
     for (Py_ssize_t r = 0; r < n; r++) src[r] = r;
@@ -32,7 +32,7 @@ static void sort_by_room(polish_t *s) {
 }
 
 /* Family 1; returns 1 and fills (i, y, score) when a move qualifies. */
-static int wide_move(polish_t *s, int64_t a, double tol, int64_t *mi, int64_t *my,
+static int wide_move(search_t *s, int64_t a, double tol, int64_t *mi, int64_t *my,
                      double *mscore) {
     Py_ssize_t per = s->per, R = s->ranks;
     double top = s->load[a];
@@ -72,7 +72,7 @@ static int wide_move(polish_t *s, int64_t a, double tol, int64_t *mi, int64_t *m
             int64_t r = s->prefarg[lo - 1];
             double lr = s->load[r];
             if (!accepts(ci, top - lr, tol)) continue;
-            double score = pmax(top - ci, lr + ci);
+            double score = dmax(top - ci, lr + ci);
             if (!found || score < best_score) {
                 found = 1;
                 best_score = score;
@@ -94,7 +94,7 @@ static int wide_move(polish_t *s, int64_t a, double tol, int64_t *mi, int64_t *m
     return 1;
 }
 
-int move_anywhere(polish_t *s, int64_t a, double tol, pchange_t *best) {
+int move_anywhere(search_t *s, int64_t a, double tol, pchange_t *best) {
     double score;
     best->subset = 0;
     return wide_move(s, a, tol, &best->i, &best->y, &score);
