@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from evenflow.engine._model import OversizedPolicy, PackingConstraints
+from evenflow.engine._model import MAX_TOKENS, OversizedPolicy, PackingConstraints
 from evenflow.engine._validate import (
     check_bool,
     check_choice,
@@ -76,7 +76,8 @@ class LoaderConfig:
             default 5 ms interval every GIL hand-off back to the training thread can wait that
             long, which shows up as data stall in sync iteration (``evenflow bench pipeline``
             measured the 0.5 ms default passing every target where 5 ms missed three). It is a
-            process-wide setting and is not restored at ``close()``.
+            process-wide setting: the value the process had is restored when the last open
+            loader that lowered it is closed (unless something else changed it meanwhile).
         balance_window: consecutive steps planned together (the balance window). ``1`` plans
             each step on its own. With ``W > 1`` the steps ``[k*W, (k+1)*W)`` of a pass are
             read (one metadata round each, as always), planned together once the last one is
@@ -92,6 +93,12 @@ class LoaderConfig:
             ``prefetch_depth`` steps ahead and can wait, compute cannot (``evenflow demo``,
             2 ranks on 2 cores, uses 19). The transport's collective thread keeps its
             priority (peers wait on it). A no-op off Linux and where the OS refuses.
+        close_timeout: seconds ``close()`` waits for the threads the loader started to finish
+            what they run. A thread still inside user code then (a ``read()`` stuck on a
+            network filesystem, a ``pack_fn`` that never returns) is abandoned: it is a daemon
+            thread, so it never keeps the process from exiting, and a WARNING on the
+            ``"evenflow"`` logger names it and what it runs. ``close()`` itself returns within
+            about this many seconds plus the transport's own close (at most 5 s).
         log_stats: log one line of balance statistics per step on group rank 0 (logger
             ``"evenflow"``, INFO; shown on standard error when the application configured no
             logging, see :mod:`evenflow.engine._logging`).
@@ -113,6 +120,7 @@ class LoaderConfig:
     switch_interval: float | None = 0.0005
     balance_window: int = 1
     thread_nice: int = 0
+    close_timeout: float = 10.0
     log_stats: bool = True
 
     def __new__(cls, *args: Any, **kwargs: Any) -> LoaderConfig:
@@ -128,7 +136,13 @@ class LoaderConfig:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        check_int("LoaderConfig.seq_len", self.seq_len, minimum=1)
+        check_int(
+            "LoaderConfig.seq_len",
+            self.seq_len,
+            minimum=1,
+            maximum=MAX_TOKENS,
+            why="positions are int32 in packed layouts",
+        )
         check_int("LoaderConfig.bins_per_rank", self.bins_per_rank, minimum=1)
         check_int("LoaderConfig.prefetch_depth", self.prefetch_depth, minimum=1)
         check_optional_int(
@@ -175,6 +189,10 @@ class LoaderConfig:
                 f"LoaderConfig.thread_nice must be at most 19 (the lowest priority), but got "
                 f"{self.thread_nice!r}; pass 0 to leave the loader's threads alone, or 1-19."
             )
+        close_timeout = check_number(
+            "LoaderConfig.close_timeout", self.close_timeout, minimum=0.0, strict_minimum=False
+        )
+        object.__setattr__(self, "close_timeout", close_timeout)
         check_bool("LoaderConfig.log_stats", self.log_stats)
         # Validates seq_len, oversized_policy and packing_budgets with one set of messages.
         constraints = PackingConstraints(

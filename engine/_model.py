@@ -18,7 +18,13 @@ from typing import Any, Literal
 from evenflow.engine._validate import check_amounts, check_choice, check_int
 from evenflow.engine.errors import ConfigError
 
-__all__ = ["OversizedPolicy", "PackingConstraints", "SampleKey", "SampleMetadata"]
+__all__ = ["MAX_TOKENS", "OversizedPolicy", "PackingConstraints", "SampleKey", "SampleMetadata"]
+
+#: The most tokens a packed sequence (``seq_len``) or one sample may hold: packed layouts
+#: address positions with int32 (``position_ids``, ``cu_seq_lens``), and with it the token
+#: sums of any step (fewer than 2**32 samples) fit the planner's int64 arithmetic exactly.
+MAX_TOKENS = 2**31 - 1
+_TOKENS_WHY = "positions are int32 in packed layouts, and token sums must stay exact"
 
 OversizedPolicy = Literal["error", "single"]
 _OVERSIZED_POLICIES: tuple[str, ...] = ("error", "single")
@@ -112,7 +118,9 @@ class SampleMetadata:
     loss_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        check_int("SampleMetadata.tokens", self.tokens, minimum=1)
+        check_int(
+            "SampleMetadata.tokens", self.tokens, minimum=1, maximum=MAX_TOKENS, why=_TOKENS_WHY
+        )
         if self.loss_tokens is not None:
             check_int("SampleMetadata.loss_tokens", self.loss_tokens, minimum=0)
             if self.loss_tokens > self.tokens:
@@ -159,7 +167,7 @@ class PackingConstraints:
     packing_budgets: Mapping[str, float] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
-        check_int("seq_len", self.seq_len, minimum=1)
+        check_int("seq_len", self.seq_len, minimum=1, maximum=MAX_TOKENS, why=_TOKENS_WHY)
         check_choice("oversized_policy", self.oversized_policy, _OVERSIZED_POLICIES)
         budgets = (
             {}

@@ -14,8 +14,11 @@ from typing import Any
 from evenflow.engine.errors import ConfigError
 
 
-def check_int(name: str, value: object, *, minimum: int = 0) -> int:
-    """Return ``value`` if it is an ``int`` (not ``bool``) ``>= minimum``."""
+def check_int(
+    name: str, value: object, *, minimum: int = 0, maximum: int | None = None, why: str = ""
+) -> int:
+    """Return ``value`` if it is an ``int`` (not ``bool``) ``>= minimum`` (and ``<= maximum``;
+    ``why`` says where that limit comes from)."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(
             f"{name} must be an integer >= {minimum}, but got {value!r} "
@@ -23,6 +26,10 @@ def check_int(name: str, value: object, *, minimum: int = 0) -> int:
         )
     if value < minimum:
         raise ConfigError(f"{name} must be an integer >= {minimum}, but got {value!r}.")
+    if maximum is not None and value > maximum:
+        raise ConfigError(
+            f"{name} must be at most {maximum}{' (' + why + ')' if why else ''}, but got {value!r}."
+        )
     return value
 
 

@@ -101,12 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     source = DatasetSource(  # shuffled per epoch, packed into 2 bins per step, resumable
         tokenized_dataset(400, args.seq_len),  # a datasets.Dataset: input_ids, labels
-        seq_len=config.seq_len,
-        bins_per_rank=config.bins_per_rank,
-        rank=rank,  # data-parallel position
-        num_ranks=world_size,
         shared=True,  # every rank can read the dataset: only indices travel
-    )
+    )  # seq_len, bins per step and this rank's data-parallel position: from the loader
     loader = build_loader(
         source,
         config,

@@ -461,7 +461,7 @@ def test_refine_with_a_zero_budget_stays_at_the_best_start() -> None:
 
 
 def test_refine_budget_grows_with_the_step_within_its_bounds() -> None:
-    from evenflow.engine._planning.refine import _default_budget
+    from evenflow.engine._planning.schedule import default_budget as _default_budget
 
     def sized(num_samples: int) -> BalanceProblem:
         per_bin = num_samples // 8
@@ -474,7 +474,7 @@ def test_refine_budget_grows_with_the_step_within_its_bounds() -> None:
 
 
 def test_refine_budget_counts_ranks_where_they_hold_few_samples() -> None:
-    from evenflow.engine._planning.refine import _default_budget
+    from evenflow.engine._planning.schedule import default_budget as _default_budget
 
     # 256 ranks of 2 bins with 4 samples a rank: 8 attempts by samples, 128 by ranks.
     problem = make_problem([[1, 1]] * 512, num_ranks=256, seq_len=10)

@@ -37,6 +37,7 @@ from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.engine._planning.lpt import LPTAlgorithm
 from evenflow.engine.errors import (
     ConfigError,
+    LoaderStateError,
     PeerFailureError,
     SourceExhaustedError,
 )
@@ -359,7 +360,10 @@ def test_set_epoch_mid_pass_restarts_every_rank_cleanly() -> None:
         assert {sid[3] for sid in ids} == {1}, "a step of the old epoch leaked into epoch 1"
 
 
-def test_set_epoch_after_load_state_dict_starts_the_epoch_at_step_zero() -> None:
+def test_set_epoch_of_the_restored_epoch_keeps_the_restored_position() -> None:
+    """The usual loop restores, then calls set_epoch(epoch) at the top of its epoch loop: the
+    restored position must survive that call (it used to replay the whole epoch)."""
+
     def record(rank: int, loader: BalancedLoader) -> tuple[list[Any], list[Any]]:
         batches, states = [], []
         with loader:
@@ -382,8 +386,30 @@ def test_set_epoch_after_load_state_dict_starts_the_epoch_at_step_zero() -> None
     assert hung == [False, False] and errors == [None, None]
     for rank in range(2):
         batches, step = results[rank]
-        assert [_step_of(b) for b in batches] == list(range(step)), "steps mislabelled"
-        assert batches == recorded[rank][0]
+        assert step == STEPS
+        assert [_step_of(b) for b in batches] == list(range(3, STEPS)), "an epoch replayed"
+        assert batches == recorded[rank][0][3:]
+
+
+def test_set_epoch_before_the_restored_epoch_is_refused_naming_both() -> None:
+    def record(rank: int, loader: BalancedLoader) -> Any:
+        with loader:
+            loader.set_epoch(2)
+            for _ in loader:
+                return loader.state_dict()
+        return None
+
+    states, errors, _ = run_in_threads(_loaders(2), record)
+    assert errors == [None, None]
+
+    def restart(rank: int, loader: BalancedLoader) -> None:
+        with loader:
+            loader.load_state_dict(states[rank])
+            with pytest.raises(LoaderStateError, match=r"set_epoch\(0\).*epoch 2.*set_epoch\(2\)"):
+                loader.set_epoch(0)
+
+    _, errors, hung = run_in_threads(_loaders(2), restart)
+    assert hung == [False, False] and errors == [None, None]
 
 
 def test_a_blocked_source_fails_its_rank_within_the_timeout() -> None:

@@ -243,21 +243,24 @@ async def test_early_exhaustion_on_one_rank_stops_all(policy: str, error: Any) -
 def test_set_epoch_and_reiteration_restart_cleanly() -> None:
     loaders = make_loaders(2, max_steps=3)
 
-    def body(rank: int, loader: BalancedLoader) -> tuple[list[Any], list[Any], list[Any]]:
+    def body(rank: int, loader: BalancedLoader) -> tuple[list[Any], ...]:
         with loader:
             first = list(loader)
-            assert list(loader) == []  # the pass is over until set_epoch
+            assert next(loader, None) is None  # no new iteration: the pass stays over
+            # A new iteration without set_epoch starts the next epoch, like a DataLoader.
+            again = list(loader)
+            assert loader.epoch == 1
             loader.set_epoch(1)
             assert loader.step == 0 and loader.last_host_batch is None
             second = list(loader)
             loader.set_epoch(1)
             third = list(loader)
-            return first, second, third
+            return first, again, second, third
 
     results = run_in_threads_or_raise(loaders, body)
-    for first, second, third in results:
+    for first, again, second, third in results:
         assert len(first) == len(second) == 3
-        assert second == third  # same epoch, same data
+        assert again == second == third  # epoch 1 each time: same epoch, same data
 
 
 def test_close_in_every_phase_leaks_no_thread() -> None:
@@ -361,28 +364,42 @@ async def test_tracing_records_every_stage_as_valid_chrome_json(tmp_path: Any) -
         assert all(e["dur"] >= 0 for e in spans)
 
 
-def test_the_loader_lowers_the_gil_switch_interval_but_never_raises_it() -> None:
+def test_the_loader_lowers_the_gil_switch_interval_while_open_and_restores_it() -> None:
+    import gc
     import sys
 
     from evenflow.engine.errors import ConfigError
 
+    gc.collect()  # loaders earlier tests dropped without close() release it when collected
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
         (loader,) = make_loaders(1, max_steps=1)
+        (other,) = make_loaders(1, max_steps=1)
         with loader:
             assert len(list(loader)) == 1
-        assert sys.getswitchinterval() == pytest.approx(0.0005)
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+            with other:  # two loaders open: the first close keeps it lowered
+                list(other)
+            assert sys.getswitchinterval() == pytest.approx(0.0005)
+        assert sys.getswitchinterval() == pytest.approx(0.005)  # restored by the last close
         sys.setswitchinterval(0.0001)
         (loader,) = make_loaders(1, max_steps=1)
         with loader:
             list(loader)
+            assert sys.getswitchinterval() == pytest.approx(0.0001)  # never raised
         assert sys.getswitchinterval() == pytest.approx(0.0001)
+        sys.setswitchinterval(0.005)
+        (loader,) = make_loaders(1, max_steps=1)
+        with loader:
+            list(loader)
+            sys.setswitchinterval(0.002)  # the application's own choice wins over a restore
+        assert sys.getswitchinterval() == pytest.approx(0.002)
         sys.setswitchinterval(0.005)
         (loader,) = make_loaders(1, max_steps=1, switch_interval=None)
         with loader:
             list(loader)
-        assert sys.getswitchinterval() == pytest.approx(0.005)
+            assert sys.getswitchinterval() == pytest.approx(0.005)
     finally:
         sys.setswitchinterval(before)
     with pytest.raises(ConfigError, match=r"LoaderConfig\.switch_interval"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from test_algorithms import FAST, assert_valid_layout, make_problem, problems
 
 from evenflow.engine._model import SampleKey, SampleMetadata
-from evenflow.engine._planning import refine
+from evenflow.engine._planning import refine, schedule
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.lpt import lpt_layout
 from evenflow.engine._planning.objectives import makespan
@@ -320,10 +321,11 @@ def test_the_second_search_from_the_source_moves_less_on_long_context_steps(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Long-context ranks hold ~16 samples, so a second search from the source gets a budget
-    # sized to its work (``_stay_budget``); without it the same plans move more samples over
-    # these steps (4 of 8 move fewer with it), and with it no plan scores higher.
+    # sized to its work (``schedule.second_stay_budget``); without it the same plans move
+    # more samples over these steps (4 of 8 move fewer with it), and with it no plan scores
+    # higher.
     with_it = _planned("longctx", 8, 4, 4096.0, steps=8)
-    monkeypatch.setattr(refine, "_STAY_WORK", 0)
+    monkeypatch.setattr(schedule, "STAY_WORK", 0)
     _no_higher_and_fewer_moved(with_it, _planned("longctx", 8, 4, 4096.0, steps=8))
 
 
@@ -334,7 +336,7 @@ def test_ranks_with_few_samples_get_an_attempt_per_two_ranks(
     # samples gives the search 8 attempts for 128 ranks; one per two ranks (64) lowers the
     # makespan of every one of these steps.
     by_ranks = _planned("longctx", 128, 2, 0.0, steps=3)
-    monkeypatch.setattr(refine, "_RANKS_PER_ATTEMPT", 10**9)
+    monkeypatch.setattr(schedule, "RANKS_PER_ATTEMPT", 10**9)
     by_samples = _planned("longctx", 128, 2, 0.0, steps=3)
     assert all(m < m0 for (m, _), (m0, _) in zip(by_ranks, by_samples, strict=True))
 
@@ -342,13 +344,19 @@ def test_ranks_with_few_samples_get_an_attempt_per_two_ranks(
 def test_a_near_miss_of_the_search_from_the_source_goes_on(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # When the search from the source stops within _STAY_CLOSE of the best score, it goes
+    # When the search from the source stops within schedule.STAY_CLOSE of the best score, it goes
     # on for half its attempts again; on these sft steps at 8 x 4 that brings three of six
     # plans to a lower makespan with fewer samples moved, and raises none.
     going_on = _planned("sft", 8, 4, 4096.0, steps=6)
-    monkeypatch.setattr(refine, "_STAY_CLOSE", 0.0)
+    never = tuple(
+        dataclasses.replace(stage, go_on_within=0.0)
+        if isinstance(stage, schedule.FromSource)
+        else stage
+        for stage in schedule.DEFAULT.finish
+    )
+    monkeypatch.setattr(schedule, "DEFAULT", dataclasses.replace(schedule.DEFAULT, finish=never))
     _no_higher_and_fewer_moved(going_on, _planned("sft", 8, 4, 4096.0, steps=6))
-    assert refine._stay_first(700, 64) == refine._stay_first(700, 0) + 32  # one per two ranks
+    assert schedule.stay_budget(700, 64) == schedule.stay_budget(700, 0) + 32  # one per two ranks
 
 
 def test_searches_for_less_movement_spend_no_knapsack_cells() -> None:

@@ -104,10 +104,12 @@ def _loader(world: _World, depth: int, kind: str = "dataset", **cfg: Any) -> Any
     rank, num_ranks = world.rank, world.size
 
     if kind in ("dataset", "shared"):
-        source: Any = _source(rank, num_ranks, shared=kind == "shared")
+        # The loader gives the source its seq_len, bins and ranks (a config with another
+        # seq_len then reaches the restore check, which must refuse it).
+        source: Any = DatasetSource(_rows(), seed=7, shared=kind == "shared")
     else:
         rows = _rows()[rank::num_ranks]
-        source = IterableSource(lambda: iter(rows), seq_len=SEQ_LEN, bins_per_rank=2)
+        source = IterableSource(lambda: iter(rows))
     config = LoaderConfig(
         seq_len=cfg.pop("seq_len", SEQ_LEN),
         bins_per_rank=2,

@@ -251,15 +251,23 @@ def test_bad_samples_name_the_dataset_index(caplog: pytest.LogCaptureFixture) ->
     assert len(alone) <= 1 and all(len(b) == 1 for b in alone)
 
 
-def test_under_torch_distributed_the_ranks_must_be_given() -> None:
+def test_under_torch_distributed_an_unbound_source_needs_its_ranks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import torch.distributed as dist
 
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
-        with pytest.raises(ConfigError, match="pass rank= and num_ranks= explicitly"):
-            DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2)
-        given = DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2, rank=0, num_ranks=1)
-        assert (given.rank, given.num_ranks) == (0, 1)
+        alone = DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2)
+        assert (alone.rank, alone.num_ranks) == (0, 1)  # a world of one rank
+        # In a larger world a source no loader bound cannot guess its data-parallel rank.
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        unbound = DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2)
+        with pytest.raises(ConfigError, match="no loader has bound this DatasetSource"):
+            len(unbound)
+        given = DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2, rank=1, num_ranks=2)
+        assert (given.rank, given.num_ranks) == (1, 2)
+        assert len(given) > 0
     finally:
         dist.destroy_process_group()

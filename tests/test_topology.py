@@ -273,7 +273,8 @@ def test_follower_stops_at_the_announced_end() -> None:
     end = {"status": "end", "epoch": 0, "step": 2, "error": None}
     loader = _follower([_ok(0), _ok(1), (end, None)])
     assert [b["step"] for b in loader] == [0, 1]
-    assert list(loader) == []  # no further receive after the end
+    assert next(loader, None) is None  # no further receive after the end
+    assert loader.epoch == 0  # (a new iteration would start epoch 1, as on the constructor)
     assert loader.step == 2 and loader.last_host_batch == {"step": 1}
     assert not loader.is_constructor and loader.last_stats is None
     loader.close()

@@ -25,7 +25,6 @@ mapped by the protocol's one mapper.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import math
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -35,7 +34,8 @@ import torch.distributed as dist
 
 from evenflow.transports import _wire
 from evenflow.transports._channel import Channel
-from evenflow.transports._protocol import Protocol
+from evenflow.transports._protocol import CLOSE_DEADLINE, Protocol
+from evenflow.transports._threads import WorkerThreads
 from evenflow.transports.errors import (
     PeerFailureError,
     TransportClosedError,
@@ -184,9 +184,7 @@ class BatchBroadcaster:
                 ),
             ),
         )
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"evenflow-mp-{ranks[0]}"
-        )
+        self._executor = WorkerThreads(1, name=f"evenflow-mp-{ranks[0]}")
 
     @property
     def is_sender(self) -> bool:
@@ -273,6 +271,8 @@ class BatchBroadcaster:
         return header, batch
 
     def close(self) -> None:
-        """Join the broadcaster's thread. Idempotent; never waits for peers."""
+        """Join the broadcaster's thread, for at most ``CLOSE_DEADLINE`` seconds (a broadcast
+        whose peer left is abandoned there). Idempotent."""
         self._closed = True
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        self._executor.shutdown(wait=True, cancel_futures=True, deadline=CLOSE_DEADLINE)
+        self._channel.release()

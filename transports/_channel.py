@@ -10,6 +10,7 @@ transport speaks the same protocol through launch points instead.
 from __future__ import annotations
 
 import functools
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from evenflow.transports._protocol import FAILED, Protocol
 from evenflow.transports._wire import decode_many
-from evenflow.transports.errors import TransportError, WireFormatError
+from evenflow.transports.errors import TransportClosedError, TransportError, WireFormatError
 
 __all__ = ["Channel"]
 
@@ -47,6 +48,20 @@ class Channel:
         #: Where received bytes land: ``lease(nbytes)`` (the Gloo transport pools them).
         self.lease = lease or functools.partial(np.empty, dtype=np.uint8)
         self.broken: TransportError | None = None
+
+    def release(self) -> None:
+        """Drop the reference to the group (after its owner closed): the group's sockets
+        close with its last reference, and a closed transport must not be that one. Any later
+        operation fails as on a broken group."""
+        self.group = None  # type: ignore[assignment]
+        # A failed collective's error keeps its traceback, whose frames hold the group (and
+        # form a cycle with this channel): clear their locals, or the group's sockets stay
+        # open until a garbage collection.
+        _forget_frames(self.broken)
+        if self.broken is None:
+            self.broken = TransportClosedError(
+                "this channel's transport was closed", rank=self.protocol.rank, op="close"
+            )
 
     def collective(self, op: str, call: Callable[[], T]) -> T:
         """Run one blocking collective (or start one); map and remember a failure."""
@@ -170,3 +185,14 @@ class Channel:
         self.broadcast_bytes(op, data, src)
         # src decodes its own frame too: nobody receives an alias of the caller's objects.
         return decode_many(data.numpy(), [announced], max_frame_bytes=proto.limit)[0]
+
+
+def _forget_frames(exc: BaseException | None) -> None:
+    """Clear the local variables of the finished frames in ``exc``'s traceback and in those
+    of the exceptions it was raised from (the traceback text stays)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__

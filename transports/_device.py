@@ -30,7 +30,6 @@ import functools
 import importlib
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -40,6 +39,7 @@ import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing, Transport, check_timeout
 from evenflow.transports._protocol import (
+    CLOSE_DEADLINE,
     FAILED,
     Protocol,
     close_owned,
@@ -54,6 +54,7 @@ from evenflow.transports._sized import (
     decode_segments,
     write_segments,
 )
+from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError, WireFormatError
 
@@ -146,9 +147,7 @@ class DeviceTransport(Transport):
         if self._accel:
             self._module = torch.get_device_module(self._device)
             self._stream = self._module.Stream(device=self._device)
-        self._waiter = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"evenflow-device-wait-r{dist.get_rank()}"
-        )
+        self._waiter = WorkerThreads(1, name=f"evenflow-device-wait-r{dist.get_rank()}")
         self._finalizer = weakref.finalize(self, self._waiter.shutdown, wait=False)
 
     @property
@@ -264,8 +263,13 @@ class DeviceTransport(Transport):
             self._closed = True
             self._finalizer.detach()
             await close_owned(
-                self._waiter, self._group, destroy=self._owns_group and self._broken is None
+                self._waiter,
+                self._group,
+                destroy=self._owns_group and self._broken is None,
+                deadline=min(self.timeout, CLOSE_DEADLINE),
             )
+            # The group's sockets and communicator go with its last reference.
+            self._group = None  # type: ignore[assignment]
 
     # -- the two launches of one operation ------------------------------------------------------
 

@@ -52,7 +52,6 @@ import asyncio
 import functools
 import weakref
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
@@ -63,12 +62,15 @@ import torch.distributed as dist
 from evenflow.transports._base import Outgoing, Transport, check_timeout
 from evenflow.transports._channel import Channel
 from evenflow.transports._protocol import (
+    CLOSE_DEADLINE,
     FAILED,
+    ROLL_CALL_SECONDS,
     Protocol,
     close_owned,
     membership,
     open_group,
     pack_outgoing,
+    roll_call,
 )
 from evenflow.transports._sized import (
     SizedIncoming,
@@ -77,6 +79,7 @@ from evenflow.transports._sized import (
     decode_segments,
     write_segments,
 )
+from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES, check_max_frame_bytes, decode_many
 from evenflow.transports.errors import TransportError
 
@@ -198,9 +201,7 @@ class GlooTransport(Transport):
         # A pooled lease: decoded views keep it alive, and the pool reuses its memory only
         # after they are all gone (see _ReceivePool).
         self._channel = Channel(group, self._proto, lease=self._receive_pool.lease)
-        self._executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix=f"evenflow-gloo-r{dist.get_rank()}"
-        )
+        self._executor = WorkerThreads(1, name=f"evenflow-gloo-r{dist.get_rank()}")
         # A transport dropped without aclose() must not keep its thread forever.
         self._finalizer = weakref.finalize(self, self._executor.shutdown, wait=False)
 
@@ -241,16 +242,42 @@ class GlooTransport(Transport):
     async def aclose(self) -> None:
         """Join the collective thread and destroy the group this transport created."""
         if not self._closed:
-            # Joining waits for an operation still in flight (at most the group timeout).
+            # Joining waits for an operation still in flight, within CLOSE_DEADLINE: it ends
+            # at once when its peers close their groups, at the group timeout otherwise.
             self._closed = True
             self._finalizer.detach()
             await close_owned(
                 self._executor,
                 self._group,
                 destroy=self._owns_group and self._channel.broken is None,
+                deadline=min(self.timeout, CLOSE_DEADLINE),
             )
         self._send_buffer = None
         self._receive_pool.clear()
+        # The group's sockets close when the last reference to it goes: a closed transport
+        # must not be that reference, wherever the transport itself is still held.
+        self._channel.release()
+        self._group = None  # type: ignore[assignment]
+
+    async def roll_call(self, tag: str, deadline: float = ROLL_CALL_SECONDS) -> list[int] | None:
+        """After a collective of this group failed: the global ranks that do not answer a
+        roll call within ``deadline`` seconds (see :func:`roll_call`), or ``None`` when that
+        cannot be told. Every surviving member must call it with the same ``tag``. Runs on
+        the default executor: the collective thread may still be inside the failed call."""
+        group = self._group
+        if group is None:
+            return None
+        return await asyncio.get_running_loop().run_in_executor(
+            None,
+            functools.partial(
+                roll_call,
+                group,
+                rank=self.rank,
+                global_ranks=self.global_ranks,
+                tag=tag,
+                deadline=deadline,
+            ),
+        )
 
     # -- plumbing -------------------------------------------------------------------------------
 

@@ -40,8 +40,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import re
+import time
 from collections.abc import Hashable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, TypeVar
@@ -51,6 +51,7 @@ import numpy.typing as npt
 import torch.distributed as dist
 
 from evenflow.transports._base import Outgoing
+from evenflow.transports._threads import WorkerThreads
 from evenflow.transports._wire import _PendingFrames, encode, encode_many
 from evenflow.transports.errors import (
     PeerEncodeError,
@@ -66,7 +67,10 @@ __all__ = [
     "FAILURE_KINDS",
     "Protocol",
     "classify_failure",
+    "CLOSE_DEADLINE",
+    "ROLL_CALL_SECONDS",
     "close_owned",
+    "roll_call",
     "destroy_group",
     "map_dist_error",
     "membership",
@@ -160,18 +164,32 @@ def destroy_group(group: dist.ProcessGroup) -> None:
         dist.destroy_process_group(group)
 
 
+#: Seconds a transport's ``aclose()`` waits for an operation still in flight on its thread
+#: (a collective whose peer left without closing): past it the thread is abandoned (a
+#: daemon; the operation ends at the group timeout) and the close goes on.
+CLOSE_DEADLINE = 5.0
+
+
 async def close_owned(
-    executor: ThreadPoolExecutor, group: dist.ProcessGroup, *, destroy: bool
+    executor: WorkerThreads,
+    group: dist.ProcessGroup,
+    *,
+    destroy: bool,
+    deadline: float = CLOSE_DEADLINE,
 ) -> None:
-    """Join the one thread that drives (or waits on) ``group``; then destroy it if asked.
+    """Join the one thread that drives (or waits on) ``group``, for at most ``deadline``
+    seconds; then destroy the group if asked.
 
     Shared ``aclose`` of the Gloo and device transports: ``destroy`` is true when the
-    transport created the group and no failure left it unusable.
+    transport created the group and no failure left it unusable. A thread still inside a
+    collective at the deadline is abandoned (it holds the group until the collective fails
+    or times out) and the group is not destroyed under it.
     """
-    await asyncio.get_running_loop().run_in_executor(
-        None, functools.partial(executor.shutdown, wait=True)
+    executor.stop(cancel_futures=True)
+    stuck = await asyncio.get_running_loop().run_in_executor(
+        None, functools.partial(executor.join, deadline)
     )
-    if destroy:
+    if destroy and not stuck:
         destroy_group(group)
 
 
@@ -251,6 +269,53 @@ def map_dist_error(
         op=op,
         peer_rank=peer,
     )
+
+
+# -- after a failure: who is still there -----------------------------------------------------------
+
+#: Seconds a roll call waits for the members that have not answered yet, and how often it
+#: looks at the store meanwhile.
+ROLL_CALL_SECONDS = 1.0
+_ROLL_CALL_POLL = 0.02
+
+
+def roll_call(
+    group: dist.ProcessGroup,
+    *,
+    rank: int,
+    global_ranks: Sequence[int],
+    tag: str,
+    deadline: float = ROLL_CALL_SECONDS,
+) -> list[int] | None:
+    """After a collective of ``group`` failed on every member: the global ranks that do not
+    answer a roll call within ``deadline`` seconds (a crashed or stuck peer), or ``None``
+    when that cannot be told.
+
+    Gloo names a failed peer only by address, so a group of three or more cannot say who
+    left. Every surviving member of the failed collective calls this with the same ``tag``
+    (e.g. the operation and step): each writes its own key to the world's store (the
+    rendezvous store, which outlives any one training process under torchrun), then waits
+    for the others'. The store is reached through torch's default-group registry; where it
+    is not available (or was hosted by the rank that died) the answer is ``None``.
+    """
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        prefix = f"evenflow/roll-call/{group.group_name}/{tag}/"
+        store.set(f"{prefix}{global_ranks[rank]}", "here")
+        if deadline <= 0:
+            return []  # answered only
+        until = time.monotonic() + deadline
+        waiting = [p for p in global_ranks if p != global_ranks[rank]]
+        while True:
+            # Polled, not store.wait(): a wait that times out logs a warning per key.
+            waiting = [p for p in waiting if not store.check([f"{prefix}{p}"])]
+            if not waiting or time.monotonic() >= until:
+                return waiting
+            time.sleep(_ROLL_CALL_POLL)
+    except Exception:
+        return None
 
 
 # -- the exchange layout -------------------------------------------------------------------------

@@ -29,11 +29,13 @@ import traceback as _traceback
 from dataclasses import dataclass
 from typing import Any
 
+from evenflow.transports._threads import unwrap
 from evenflow.transports.errors import WireFormatError
 
 __all__ = [
     "MAX_MESSAGE_CHARS",
     "MAX_TRACEBACK_CHARS",
+    "NOTE_PREFIX",
     "RemoteErrorInfo",
     "one_line",
     "traceback_note",
@@ -55,12 +57,22 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+#: Notes (``BaseException.add_note``) that start with this travel with the message: the
+#: engine adds them to user errors (e.g. which dataset index a failing bin held) without
+#: changing the error's type or its own message.
+NOTE_PREFIX = "evenflow: "
+
+
 def _text_of(exc: BaseException) -> str:
     # A user exception's __str__ may itself raise; the report must still go out.
     try:
-        return str(exc)
+        text = str(exc)
     except Exception:
-        return f"<unprintable {type(exc).__qualname__}>"
+        text = f"<unprintable {type(exc).__qualname__}>"
+    notes = [
+        n for n in getattr(exc, "__notes__", ()) if isinstance(n, str) and n.startswith(NOTE_PREFIX)
+    ]
+    return "\n".join([text, *notes]) if notes else text
 
 
 def _traceback_of(exc: BaseException) -> str:
@@ -104,7 +116,9 @@ class RemoteErrorInfo:
     def from_exception(
         cls, exc: BaseException, *, rank: int | None, stage: str, step: int | None
     ) -> RemoteErrorInfo:
-        """Describe ``exc`` (raised on ``rank`` in ``stage`` at ``step``), within the bounds."""
+        """Describe ``exc`` (raised on ``rank`` in ``stage`` at ``step``), within the bounds.
+        A carried ``KeyboardInterrupt`` (or other ``BaseException``) is described as itself."""
+        exc = unwrap(exc)
         kind = type(exc)
         lineage = tuple(_qualified(c) for c in kind.__mro__ if c is not object)
         return cls(

@@ -169,6 +169,11 @@ def build_loader(
                 loader_kwargs=loader_kwargs,
             )
             built.append(loader)
+            inner = loader._inner
+            if inner is not None and inner.bind_refusal is not None:
+                # A source's rank, num_ranks, seq_len or bins disagree with this loader:
+                # refused here, so that every rank raises the same error naming the values.
+                raise inner.bind_refusal
             identity = _agreed_identity(loader.identity(), transport, topology)
         except Exception as exc:
             error = exc

@@ -54,6 +54,7 @@ from evenflow.transports.errors import (
 if TYPE_CHECKING:
     from evenflow.engine._pipeline.h2d import DeviceStager
     from evenflow.engine._pipeline.loader import BalancedLoader
+    from evenflow.engine._pipeline.pass_report import PassSummary
     from evenflow.engine._pipeline.stats import StepStats
 
 __all__ = ["DistributedLoader", "decode_error", "encode_error"]
@@ -175,6 +176,7 @@ class DistributedLoader(LoaderFacade):
         # How the current pass ended on the message stream: None, "end" or "error".
         self._pass_state: str | None = None
         self._failure: BaseException | None = None
+        self._restored_pending = False  # a follower restored and not yet iterating
 
     @classmethod
     def constructor(
@@ -327,12 +329,14 @@ class DistributedLoader(LoaderFacade):
         self._check_pass()
         if self._inner is None:
             assert self._bc is not None
+            self._restored_pending = False
             if self._pass_state == "end":
                 return END
             return self._accept(*(await self._broadcast(run, self._receive)))
         try:
             batch = await self._inner._next(run.blocking)
-        except Exception as exc:
+        except BaseException as exc:
+            # Any error, a KeyboardInterrupt included: followers must stop at this step too.
             await self._announce(run, "error", exc)
             raise
         if batch is END:
@@ -355,10 +359,28 @@ class DistributedLoader(LoaderFacade):
             await self._inner._prefetch(goal, run.blocking)
 
     async def _restart(self, epoch: int, run: Runner) -> None:
-        """A new pass at ``epoch`` on every rank of the model-parallel group."""
+        """A new pass at ``epoch`` on every rank of the model-parallel group (a restored
+        position is kept by ``set_epoch`` of its own epoch, as ``BalancedLoader`` keeps it)."""
         if self._inner is not None:
             await self._inner._set_epoch(epoch, run.blocking)
+            self._new_pass(epoch)
+            return
+        if self._restored_pending and epoch == self._epoch:
+            return
         self._new_pass(epoch)
+
+    @property
+    def _pass_ended(self) -> bool:
+        return self._pass_state == "end"
+
+    def _current_epoch(self) -> int:
+        return self.epoch
+
+    @property
+    def last_pass(self) -> PassSummary | None:
+        """How the last finished pass ended (``BalancedLoader.last_pass``). On a follower rank,
+        which reads no source, ``None``: its constructor's summary describes the pass."""
+        return self._inner.last_pass if self._inner is not None else None
 
     async def _release(self, run: Runner) -> None:
         """Close the loader, its transport and broadcast, and destroy the groups built for it."""
@@ -423,6 +445,7 @@ class DistributedLoader(LoaderFacade):
                 f"cannot restore this state: {exc}"
             ) from None
         self._epoch, self._step = restore.epoch, restore.step
+        self._restored_pending = True
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -432,6 +455,7 @@ class DistributedLoader(LoaderFacade):
             raise self._failure
 
     def _new_pass(self, epoch: int) -> None:
+        self._restored_pending = False
         self._epoch, self._step = epoch, 0
         self._pass_state, self._failure = None, None
         self._last_host = None

@@ -26,6 +26,21 @@ A loader implements four hooks and may override the two pumps::
     async def _restart(epoch, run)       # end the pass, start ``epoch`` (set_epoch)
     async def _release(run)              # close the pass, release every resource
     def _pump(coro) / _pump_blocking(future)   # run caller launches while waiting
+    _pass_ended / _current_epoch()       # for the second-iteration rule below
+
+Iterating again. ``iter()`` (a new ``for`` loop, ``list(loader)``) after a pass has ended
+starts the next epoch, ``epoch + 1``, at the first ``next()``, as if ``set_epoch(epoch + 1)``
+had been called: a ``DataLoader`` goes over its data again on every iteration, and a loop
+that never calls ``set_epoch`` must not train one epoch and then silently nothing. An
+explicit ``set_epoch()`` before the loop chooses the epoch instead. ``next()`` on an ended
+pass without a new ``iter()`` keeps raising ``StopIteration`` (the iterator protocol).
+A ``for`` loop left with ``break`` has not ended its pass: the next loop continues it.
+
+User code's ``BaseException``. What user code raises on the loader's threads reaches the
+pipeline as an ordinary exception (``KeyboardInterrupt``, ``SystemExit`` and a
+``CancelledError`` it raised are carried in a ``ThreadInterrupt``, so no event loop dies of
+them); the step fails on every rank like any other error, and :meth:`LoaderFacade._next`
+raises the original exception on the caller's thread.
 
 A loader that wraps another (``DistributedLoader`` over ``BalancedLoader``) calls the inner
 loader's entry-point coroutines with its own ``run.blocking``, so both iterate in one mode.
@@ -35,12 +50,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
 from evenflow.engine._pipeline.loop_thread import LoopThread, run_coroutine
 from evenflow.engine.errors import ConfigError, LoaderStateError
+from evenflow.transports._threads import ThreadInterrupt
+
+logger = logging.getLogger("evenflow")
 
 __all__ = ["END", "LoaderFacade", "Runner", "drive"]
 
@@ -102,6 +121,7 @@ class LoaderFacade:
 
     def __init__(self) -> None:
         self._mode: str | None = None  # "sync" | "async", fixed by the first iteration call
+        self._advance_epoch = False  # a new iteration began after a finished pass
         self._closed = False
         self._loop_thread: LoopThread | None = None
         #: The loop thread's lowered priority, None to leave it (subclasses set it).
@@ -125,6 +145,14 @@ class LoaderFacade:
     def _pass_running(self) -> bool:
         return False
 
+    @property
+    def _pass_ended(self) -> bool:
+        """Whether the current pass has ended (its last ``next()`` returned END)."""
+        return False
+
+    def _current_epoch(self) -> int:
+        return 0
+
     def _pump(self, coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
         return coro
 
@@ -135,7 +163,25 @@ class LoaderFacade:
 
     async def _next(self, blocking: bool) -> Any:
         self._enter("sync" if blocking else "async")
-        return await self._produce(Runner(self, blocking=blocking))
+        run = Runner(self, blocking=blocking)
+        try:
+            if self._advance_epoch:
+                # A new iteration after the end of a pass: the next epoch (module docstring).
+                self._advance_epoch = False
+                epoch = self._current_epoch() + 1
+                logger.info(
+                    "evenflow: a new iteration after the end of epoch %d starts epoch %d (call "
+                    "set_epoch() before iterating to choose the epoch).",
+                    epoch - 1,
+                    epoch,
+                )
+                await self._restart(epoch, run)
+            return await self._produce(run)
+        except ThreadInterrupt as exc:
+            # A KeyboardInterrupt / SystemExit / CancelledError raised by user code on one of
+            # the loader's threads: carried as an ordinary error through the pipeline (so it
+            # failed the step on every rank), raised here as itself, on the caller's thread.
+            raise exc.original from None
 
     async def _prefetch(self, goal: str, blocking: bool) -> None:
         assert goal in _GOALS, goal
@@ -157,6 +203,7 @@ class LoaderFacade:
                 "set_epoch() was called while an async pass is running; await "
                 "loader.aset_epoch(epoch) instead."
             )
+        self._advance_epoch = False  # an explicit epoch replaces the automatic one
         await self._restart(epoch, Runner(self, blocking=blocking))
 
     async def _close(self, blocking: bool) -> None:
@@ -180,6 +227,7 @@ class LoaderFacade:
 
     def __iter__(self) -> Self:
         self._enter("sync")
+        self._begin_iteration()
         return self
 
     def __next__(self) -> Any:
@@ -190,6 +238,7 @@ class LoaderFacade:
 
     def __aiter__(self) -> Self:
         self._enter("async")
+        self._begin_iteration()
         return self
 
     async def __anext__(self) -> Any:
@@ -268,6 +317,13 @@ class LoaderFacade:
         await self.aclose()
 
     # -- states --------------------------------------------------------------------------------
+
+    def _begin_iteration(self) -> None:
+        """``iter()`` after a pass has ended starts the next epoch at the first ``next()``,
+        as a ``DataLoader`` goes over its data again; without it a second ``for`` loop would
+        silently yield nothing."""
+        if self._pass_ended:
+            self._advance_epoch = True
 
     def _enter(self, mode: str) -> None:
         self._check_open()

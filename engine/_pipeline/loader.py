@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import sys
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -19,7 +20,11 @@ from evenflow.engine._pipeline.calibration import (
 )
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
-from evenflow.engine._pipeline.loop_thread import lowered_niceness, nice_initializer
+from evenflow.engine._pipeline.loop_thread import (
+    SwitchIntervalScope,
+    lowered_niceness,
+    nice_initializer,
+)
 from evenflow.engine._pipeline.loss_tokens import LossTokens, step_loss_tokens
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
 from evenflow.engine._pipeline.parts import (
@@ -48,6 +53,7 @@ from evenflow.engine._tracing import StallMeter
 from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
 from evenflow.transports._registry import create_transport
+from evenflow.transports._threads import WorkerThreads
 
 __all__ = ["BalancedLoader"]
 
@@ -118,6 +124,12 @@ class BalancedLoader(LoaderFacade):
         self._thread_niceness = lowered_niceness(config.thread_nice)
         self._transport, self._owns_transport = _resolve_transport(transport, config)
         self._world_transport = _check_world_transport(world_transport, self._transport)
+        #: A step source's values that disagree with this loader's (``bind_loader``): raised
+        #: here when no peer is waiting for this rank, else by the source's first read, so
+        #: that the first metadata round refuses the group on every rank with this message.
+        self.bind_refusal = _bind_source(source, config, self._transport, self._world_transport)
+        if self.bind_refusal is not None and self._data_parallel_size == 1:
+            raise self.bind_refusal
         parts = loader_parts(
             config,
             num_ranks=self._transport.num_ranks,
@@ -156,21 +168,17 @@ class BalancedLoader(LoaderFacade):
         # default): the pipeline works ahead of training and can wait for a core; compute
         # cannot. The transport's collective thread is the transport's own.
         nice = nice_initializer(self._thread_niceness)
-        self._cpu = concurrent.futures.ThreadPoolExecutor(
-            2, thread_name_prefix="evenflow-cpu", initializer=nice
-        )
-        self._source_executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="evenflow-source", initializer=nice
-        )
+        # Daemon threads with a bounded shutdown (WorkerThreads): user code runs on them, and a
+        # call stuck there must never keep close() or the process from finishing.
+        self._cpu = WorkerThreads(2, name="evenflow-cpu", initializer=nice)
+        self._source_executor = WorkerThreads(1, name="evenflow-source", initializer=nice)
         # Shared-dataset mode: the bounded pool that reads each step's assigned samples.
         self._assigned: AssignedReader | None = None
-        self._read_executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._read_executor: WorkerThreads | None = None
         shared = shared_source(source)
         if shared is not None:
             threads = int(getattr(shared, "read_threads", 1))
-            self._read_executor = concurrent.futures.ThreadPoolExecutor(
-                threads, thread_name_prefix="evenflow-read", initializer=nice
-            )
+            self._read_executor = WorkerThreads(threads, name="evenflow-read", initializer=nice)
             self._assigned = AssignedReader(shared, self._read_executor, threads=threads)
         self._dataset = shared_identity(source)
         self._pipeline: Pipeline | None = None
@@ -191,7 +199,12 @@ class BalancedLoader(LoaderFacade):
         self._restored: Restore | None = None
         self._pass_samples = 0  # samples / tokens this rank trained on in the current pass
         self._pass_tokens = 0
+        self._pass_zero_loss = 0  # delivered steps with no loss target in the world
         self._last_pass: PassSummary | None = None
+        self._switch_release: weakref.finalize | None = None  # holds the lowered interval
+        #: Threads ``close()`` abandoned inside user code (name and what each ran); empty
+        #: when every thread finished within ``config.close_timeout``.
+        self.abandoned_threads: list[str] = []
 
     # -- properties ----------------------------------------------------------------------------
 
@@ -244,6 +257,11 @@ class BalancedLoader(LoaderFacade):
     @property
     def group_ranks(self) -> tuple[int, ...]:
         return self._transport.global_ranks
+
+    @property
+    def _data_parallel_size(self) -> int:
+        world = self._world_transport
+        return (world if world is not None else self._transport).num_ranks
 
     def __len__(self) -> int:
         limit = self._config.max_steps
@@ -323,6 +341,27 @@ class BalancedLoader(LoaderFacade):
         await run.loop(pipeline.wait_until(done), pump=True)
 
     async def _restart(self, epoch: int, run: Runner) -> None:
+        restored = self._restored
+        if restored is not None and self._pipeline is None and not self._pass_finished:
+            # load_state_dict() came first: the usual loop restores, then calls set_epoch() at
+            # the top of its epoch loop. The restored epoch keeps the restored position.
+            if epoch == restored.epoch:
+                return
+            if epoch < restored.epoch:
+                raise LoaderStateError(
+                    f"set_epoch({epoch}) after load_state_dict() of a state in epoch "
+                    f"{restored.epoch} (step {restored.step}) would train epochs the run has "
+                    f"already trained. Call set_epoch({restored.epoch}) to continue where the "
+                    "state left off (or start the epoch loop there), or do not restore."
+                )
+            logger.warning(
+                "evenflow: set_epoch(%d) after restoring a state at epoch %d step %d: the rest "
+                "of epoch %d is skipped.",
+                epoch,
+                restored.epoch,
+                restored.step,
+                restored.epoch,
+            )
         if isinstance(self._source, OneShotSource):
             self._source.check_reusable(f"set_epoch({epoch})")
         # Draining finishes the in-flight steps' collectives, which may need caller launches.
@@ -337,6 +376,13 @@ class BalancedLoader(LoaderFacade):
     @property
     def _pass_running(self) -> bool:
         return self._pipeline is not None
+
+    @property
+    def _pass_ended(self) -> bool:
+        return self._pass_finished and self._pipeline is None
+
+    def _current_epoch(self) -> int:
+        return self._epoch
 
     def _pump(self, coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
         # Async mode: the caller's thread runs the loop, so launches run inline between awaits.
@@ -404,6 +450,7 @@ class BalancedLoader(LoaderFacade):
         self._last_stats = None
         self._last_loss_tokens = None
         self._pass_samples = self._pass_tokens = 0
+        self._pass_zero_loss = 0
         self._pass_balance = BalanceTally()
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
@@ -496,8 +543,10 @@ class BalancedLoader(LoaderFacade):
         if self._config.log_stats and self._transport.rank == 0:
             show_info_lines()
         interval = self._config.switch_interval
-        if interval is not None and sys.getswitchinterval() > interval:
-            sys.setswitchinterval(interval)
+        if interval is not None and self._switch_release is None:
+            SwitchIntervalScope.acquire(interval)
+            # Released at close(), or when a loader dropped without close() is collected.
+            self._switch_release = weakref.finalize(self, SwitchIntervalScope.release)
         loop = asyncio.get_running_loop()
         if self._launcher is not None:
             self._launcher.bind(loop)
@@ -541,11 +590,14 @@ class BalancedLoader(LoaderFacade):
         pipeline.start()
 
     async def _next_state(self, pipeline: Pipeline) -> StepState | None:
+        deadline = asyncio.timeout(self._stall_limit)
         try:
-            async with asyncio.timeout(self._stall_limit):
+            async with deadline:
                 return await pipeline.next_state()
         except TimeoutError:
-            if pipeline.finished:
+            # Only this wait's own deadline is a stall: a TimeoutError raised by a step (a
+            # transport's, or one from user code) reaches the caller as it is.
+            if pipeline.finished or not deadline.expired():
                 raise
             raise StallTimeoutError(
                 f"No step arrived within {self._config.balance_window + 1} x "
@@ -586,6 +638,7 @@ class BalancedLoader(LoaderFacade):
             num_discarded_samples=pipeline.num_discarded_samples,
             num_outlier_bound_steps=self._pass_balance.to_dict()["outlier_bound"],
             outlier_cost_fraction=self._pass_balance.outlier_cost_fraction,
+            num_zero_loss_steps=self._pass_zero_loss,
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -599,20 +652,32 @@ class BalancedLoader(LoaderFacade):
             self._launcher.clear()
 
     async def _release_resources(self) -> None:
-        self._stager.close()
-        self._tracer.close()
-        if self._owns_transport:
-            await self._transport.aclose()
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._shutdown_executors)
+        try:
+            self._stager.close()
+            self._tracer.close()
+            if self._owns_transport:
+                await self._transport.aclose()
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, self._shutdown_executors)
+        finally:
+            if self._switch_release is not None:
+                self._switch_release()  # runs SwitchIntervalScope.release once
 
-    def _shutdown_executors(self) -> None:
-        self._cpu.shutdown(wait=True, cancel_futures=True)
-        # Joins the source thread: a source blocked inside next() delays close() until it
-        # returns (a thread cannot be interrupted).
-        self._source_executor.shutdown(wait=True, cancel_futures=True)
-        if self._read_executor is not None:
-            self._read_executor.shutdown(wait=True, cancel_futures=True)
+    def _shutdown_executors(self) -> list[str]:
+        """Stop the loader's threads and wait for them together, at most
+        ``config.close_timeout`` seconds: a thread still inside user code then (a source's
+        ``next()`` blocked on storage cannot be interrupted) is abandoned, and named in a
+        WARNING; it is a daemon thread and never holds the process. Returns what was
+        abandoned."""
+        pools = [p for p in (self._cpu, self._source_executor, self._read_executor) if p]
+        for pool in pools:
+            pool.stop(cancel_futures=True)
+        until = time.monotonic() + self._config.close_timeout
+        stuck: list[str] = []
+        for pool in pools:
+            stuck += pool.join(max(until - time.monotonic(), 0.0))
+        self.abandoned_threads = stuck
+        return stuck
 
     def _deliver(self, state: StepState) -> Any:
         batch = self._stager.deliver(state.staged)
@@ -624,6 +689,16 @@ class BalancedLoader(LoaderFacade):
         self._last_loss_tokens = step_loss_tokens(
             state.step, state.loss_rank, state.loss_group, world
         )
+        if self._last_loss_tokens is not None and self._last_loss_tokens.world == 0:
+            # Never silent: the loss recipe's scale is 0.0 and the step trains nothing.
+            self._pass_zero_loss += 1
+            if self._transport.rank == 0:
+                logger.warning(
+                    "evenflow: step %d holds no loss target in the whole data-parallel world "
+                    "(every label is -100): it trains nothing, and LossTokens.loss_scale() is "
+                    "0.0. Check the labels (or the chat template's masking) of its samples.",
+                    state.step,
+                )
         self._last_host_batch = state.host_batch
         routes, plan = state.routes, state.plan
         if routes is not None and plan is not None:
@@ -666,6 +741,29 @@ class BalancedLoader(LoaderFacade):
             f"<BalancedLoader {state} rank={self._transport.rank}/"
             f"{self._transport.num_ranks} step={self._delivered}>"
         )
+
+
+def _bind_source(
+    source: Any, config: LoaderConfig, transport: Transport, world: Transport | None
+) -> ConfigError | None:
+    """Give a step source (``DatasetSource``, ``IterableSource``, or any source with
+    ``bind_loader``) the loader's step shape and this rank's data-parallel position: the
+    world round's group when there is one (it spans every data-parallel rank), else the
+    balance group's."""
+    bind = getattr(source, "bind_loader", None)
+    if not callable(bind):
+        return None
+    ranks = world if world is not None else transport
+    # A loader with no peers knows nothing of the data-parallel world: a source sharded by
+    # hand (explicit rank / num_ranks, one loader per process without a group) keeps them.
+    alone = ranks.num_ranks == 1
+    refusal = bind(
+        seq_len=config.seq_len,
+        bins_per_rank=config.bins_per_rank,
+        rank=None if alone else ranks.rank,
+        num_ranks=None if alone else ranks.num_ranks,
+    )
+    return refusal if isinstance(refusal, ConfigError) else None
 
 
 def _process_rank(transport: Transport) -> int:

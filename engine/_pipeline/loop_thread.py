@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 __all__ = [
     "LoopThread",
+    "SwitchIntervalScope",
     "lowered_niceness",
     "nice_initializer",
     "renice_current_thread",
@@ -59,6 +60,45 @@ def renice_current_thread(niceness: int | None) -> None:
 def nice_initializer(niceness: int | None) -> Callable[[], None] | None:
     """A ``ThreadPoolExecutor`` initializer that lowers each worker's priority, or None."""
     return None if niceness is None else functools.partial(renice_current_thread, niceness)
+
+
+class SwitchIntervalScope:
+    """``sys.setswitchinterval`` lowered while at least one loader holds it, then restored.
+
+    The interval is process-wide, so the scope is too: the first holder saves the process's
+    value, each holder may lower it further (never raise it), and when the last one releases,
+    the saved value comes back — unless the interval is no longer one a holder set (the
+    application changed it meanwhile: its choice wins).
+    """
+
+    _lock = threading.Lock()
+    _holders = 0
+    _saved: float | None = None
+    _set: float | None = None
+
+    @classmethod
+    def acquire(cls, interval: float) -> None:
+        with cls._lock:
+            current = sys.getswitchinterval()
+            if cls._holders == 0:
+                cls._saved, cls._set = current, None
+            cls._holders += 1
+            if current > interval:
+                sys.setswitchinterval(interval)
+                cls._set = sys.getswitchinterval()
+
+    @classmethod
+    def release(cls) -> None:
+        with cls._lock:
+            if cls._holders == 0:
+                return
+            cls._holders -= 1
+            if cls._holders:
+                return
+            saved, ours = cls._saved, cls._set
+            cls._saved = cls._set = None
+            if saved is not None and ours is not None and sys.getswitchinterval() == ours:
+                sys.setswitchinterval(saved)
 
 
 class LoopThread:

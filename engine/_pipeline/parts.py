@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ LIBRARY_VERSION = "0.1.0"
 #: it reads, how it waits, logs and where it plans, never which samples form which step or
 #: where they train (``planning``: the leader computes the very plan every rank would).
 RUNTIME_ONLY = (
+    "close_timeout",
     "device_prefetch_depth",
     "log_stats",
     "max_steps",
@@ -61,8 +62,16 @@ RUNTIME_ONLY = (
 
 def default_metadata_fn(sample: Any) -> int:
     """Token count of a sample: ``len(sample["input_ids"])`` for mappings, else ``len(sample)``."""
-    if isinstance(sample, dict) and "input_ids" in sample:
-        return len(sample["input_ids"])
+    if isinstance(sample, Mapping):
+        if "input_ids" in sample:
+            return len(sample["input_ids"])
+        # len() of a mapping counts its keys, not tokens: never guess.
+        raise ConfigError(
+            f"The default metadata_fn measures a dict sample by its 'input_ids', but this "
+            f"sample has keys {sorted(map(str, sample))[:8]}. Pass metadata_fn= (e.g. "
+            "lambda s: len(s['tokens'])), or give the source the column to measure "
+            "(DatasetSource(length_column=...), IterableSource(length_fn=...))."
+        )
     try:
         return len(sample)
     except TypeError:

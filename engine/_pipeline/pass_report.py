@@ -138,6 +138,9 @@ class PassSummary:
     ``outlier_cost_fraction``: the share of the pass's planned cost (the sum over its steps
     of the slowest rank's cost) that those outliers add above perfectly balanced steps — what
     no per-step plan can remove, and what ``balance_window`` works on.
+    ``num_zero_loss_steps``: delivered steps whose world held no loss target at all (every
+    label ``-100``): they train nothing, and ``LossTokens.loss_scale`` is 0.0 for them; each
+    is also logged as a WARNING.
     """
 
     epoch: int
@@ -150,6 +153,7 @@ class PassSummary:
     num_discarded_samples: int = 0
     num_outlier_bound_steps: int = 0
     outlier_cost_fraction: float = 0.0
+    num_zero_loss_steps: int = 0
 
     @property
     def num_dropped_samples(self) -> int:
@@ -178,6 +182,8 @@ class PassSummary:
                 f"; {self.num_discarded_samples} samples of steps prepared ahead were "
                 "discarded by the restart"
             )
+        if self.num_zero_loss_steps:
+            line += f"; {self.num_zero_loss_steps} steps held no loss target in the world"
         if self.source is not None:
             line += (
                 f"; the source left {self.source.num_dropped_samples} samples of the epoch "
@@ -197,6 +203,7 @@ class PassSummary:
             "num_discarded_samples": self.num_discarded_samples,
             "num_outlier_bound_steps": self.num_outlier_bound_steps,
             "outlier_cost_fraction": self.outlier_cost_fraction,
+            "num_zero_loss_steps": self.num_zero_loss_steps,
             "uneven": None if self.uneven is None else self.uneven.to_dict(),
             "source": None
             if source is None

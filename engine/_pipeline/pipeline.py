@@ -62,6 +62,11 @@ from evenflow.engine._model import SampleKey
 from evenflow.engine._pipeline.calibration import GroupCalibration
 from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
 from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
+from evenflow.engine._pipeline.pack_check import (
+    check_declared_lengths,
+    check_packed,
+    name_samples,
+)
 from evenflow.engine._pipeline.plan_stage import PlanStage
 from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
 from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
@@ -263,6 +268,9 @@ class Pipeline:
                 await self._task
         self._out_recv.close()
         await self._reader.aclose()
+        # The plan stage calls back into this pipeline: a cycle that would keep a closed
+        # pass (its samples, frames and transport) alive until a garbage collection.
+        self._plan_stage.detach()
 
     # -- caller side --------------------------------------------------------------------------
 
@@ -307,8 +315,21 @@ class Pipeline:
                 return None
             assert state.confirmed is not None
             await asyncio.shield(state.confirmed)
-            # Like the metadata round, the next step's world round precedes delivery.
+            # Like the metadata round, the next step's world round precedes delivery; when
+            # its collective failed, this step fails on every surviving rank alike.
             await self._wait_world_round(state.step + 1)
+            world_failure = self._world.failure_before(state.step + 1)
+            if (
+                world_failure is None
+                and self._world.spans_groups
+                and self.world_step < state.step + 1
+                and not self._world.stopped
+            ):
+                # The pipeline stopped before the next world round ran: no rank of the world
+                # can have completed that round, so no rank delivers this step either.
+                world_failure = self._fatal
+            if world_failure is not None and state.error is None and state.remote is None:
+                state.remote = world_failure
             self._pending = None
             self._slots.release()
             self._release_device_slot(state)
@@ -561,6 +582,10 @@ class Pipeline:
             msg["indices"] = np.fromiter(
                 (s.dataset_index for s in state.samples), dtype=np.int64, count=len(state.samples)
             )
+        elif state.indices is not None and state.status == "ok":
+            # Payload mode over a source that knows them: errors at the pack name the sample
+            # by its dataset index on whichever rank packs it.
+            msg["indices"] = state.indices
         try:
             messages = await self._transport.all_gather(msg)
         except BaseException as exc:
@@ -607,6 +632,9 @@ class Pipeline:
         self.notify()
         await self._sequencer.fail(exc)
         self._confirm_all_pending(exc)
+        if self._world.spans_groups:
+            with contextlib.suppress(Exception):
+                await self._world.answer_roll_call()
 
     def _confirm_all_pending(self, exc: BaseException) -> None:
         pending = [*self._reporting, *self._settled]
@@ -834,8 +862,11 @@ class Pipeline:
         routes = state.routes
         assert routes is not None
         local, received, rank = state.local_samples(), state.received, self._rank
+        by_step = state.step_messages()
+        default_pack = self._pack_fn is default_pack_fn
+        single = self._config.oversized_policy == "single"
         packed = []
-        for keys in routes.bins:
+        for b, keys in enumerate(routes.bins):
             samples = []
             for key in keys:
                 if key[0] == rank and self._assigned is None:
@@ -848,7 +879,24 @@ class Pipeline:
                             f"Rank {rank} did not receive sample {SampleKey(*key)} planned for "
                             f"it at step {state.step}; the exchange lost data."
                         ) from None
-            packed.append(self._pack_fn(samples, self._config.seq_len))
+            where = f"Bin {b} of step {state.step} on rank {self._global_ranks[rank]}"
+            if default_pack:
+                check_declared_lengths(samples, keys, by_step, where=where)
+            try:
+                bin_packed = self._pack_fn(samples, self._config.seq_len)
+            except Exception as exc:
+                name_samples(exc, by_step, keys, where)
+                raise
+            check_packed(
+                bin_packed,
+                keys,
+                by_step,
+                seq_len=self._config.seq_len,
+                oversized_single=single,
+                default_pack=default_pack,
+                where=where,
+            )
+            packed.append(bin_packed)
         if state.loss_rank is None and self._pack_fn is default_pack_fn:
             # Samples read after planning (shared-dataset mode) carry no count in the
             # metadata: the packed labels say exactly what the rank trains on.

@@ -72,6 +72,11 @@ class PlanStage:
         self._on_group_failure = on_group_failure
         self._on_local_failure = on_local_failure
 
+    def detach(self) -> None:
+        """Drop the callbacks into the pipeline (a reference cycle) once the pass is closed."""
+        self._on_group_failure = _closed_callback
+        self._on_local_failure = _closed_callback
+
     async def run(self, state: StepState) -> None:
         if state.terminal:
             return
@@ -235,3 +240,7 @@ class PlanStage:
 
     def _received_window(self, wires: list[dict[str, Any]], first: int) -> list[_Planned]:
         return [self._received_plan(data, first + i) for i, data in enumerate(wires)]
+
+
+async def _closed_callback(*args: Any) -> None:
+    """What a detached stage calls: nothing, the pass is closed."""

@@ -20,10 +20,13 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
 from evenflow.engine._model import PackingConstraints, SampleMetadata
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import ConfigError
 from evenflow.transports import Prepared, prepare
+from evenflow.transports._threads import ThreadInterrupt
 
 __all__ = ["SourceReader"]
 
@@ -82,12 +85,21 @@ class SourceReader:
                 if result is None:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
-                described, state.source_state, state.prepared = result
+                described, state.source_state, state.prepared, state.indices = result
             state.samples, state.sizes, state.metas = described
             state.steps_left = self._steps_left(step)
         except Exception as exc:
             state.status = "error"
             state.fail(getattr(exc, "_evenflow_stage", "source"), exc)
+        except BaseException as exc:
+            # An async source runs on this loop: what it raises beyond Exception must not end
+            # the pass as if the data had ended (a CancelledError) or kill the loop (a
+            # KeyboardInterrupt). Only the cancellation of this very task passes through.
+            task = asyncio.current_task()
+            if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                raise
+            state.status = "error"
+            state.fail("source", ThreadInterrupt(exc))
         return state
 
     async def position(self) -> Any:
@@ -155,15 +167,24 @@ class SourceReader:
         state_dict = getattr(self._source, "state_dict", None)
         return state_dict() if callable(state_dict) else None
 
-    def _read_sync(self, step: int) -> tuple[Described, Any, list[Prepared] | None] | None:
+    def _read_sync(self, step: int) -> tuple[Described, Any, list[Prepared] | None, Any] | None:
         assert isinstance(self._iter, Iterator)
         try:
             raw = next(self._iter)
         except StopIteration:
             return None
+        # Right after next(), on the same thread: the indices of the step just read.
+        indices = self._last_indices()
         described = self._describe(raw, step)
         prepared = _prepared(described[0]) if self._prepare else None
-        return described, self._source_state(), prepared
+        return described, self._source_state(), prepared, indices
+
+    def _last_indices(self) -> Any:
+        last = getattr(self._source, "last_read_indices", None)
+        if not callable(last):
+            return None
+        indices = last()
+        return None if indices is None else np.asarray(indices, dtype=np.int64)
 
     def _describe(self, raw: Any, step: int) -> Described:
         """The step's samples (bin after bin, the objects themselves), bin sizes, metadata."""

@@ -72,6 +72,7 @@ class StepState:
     source_state: Any = None  # the source's state right after this step was read
     resume_source: Any = None  # the source state a checkpoint taken after this step records
     steps_left: int | None = None  # source steps after this one, where the source has a len()
+    indices: Any = None  # the samples' dataset indices (int64), where the source knows them
     error: BaseException | None = None
     error_stage: str = ""
     remote: BaseException | None = None  # a group-wide error to raise at this step

@@ -42,13 +42,16 @@ from evenflow.engine._pipeline.pass_report import RankUnread, UnevenEnd
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import GroupMismatchError, RemoteStageError, SourceExhaustedError
 from evenflow.transports import Transport
-from evenflow.transports.errors import WireFormatError
+from evenflow.transports.errors import TransportError, WireFormatError
 
 __all__ = ["WorldRound"]
 
 logger = logging.getLogger("evenflow")
 
 _VERSION = 1
+#: The tag of the world's roll call: a Gloo group is dead after its first failure, so one
+#: roll call per world transport is all there can be.
+_ROLL_CALL = "world-failed"
 
 
 def _status(state: StepState) -> str:
@@ -70,6 +73,8 @@ class WorldRound:
         self._transport = transport
         self._on_uneven_end = on_uneven_end
         self._stopped = False  # a round held an end or an error: no later round is issued
+        # The round whose collective itself failed (a peer crashed or froze), and its error.
+        self._failed: tuple[int, BaseException] | None = None
 
     @property
     def spans_groups(self) -> bool:
@@ -79,6 +84,18 @@ class WorldRound:
     def stopped(self) -> bool:
         """Whether a round held an end or an error (no later round will be issued)."""
         return self._stopped
+
+    def failure_before(self, step: int) -> BaseException | None:
+        """The error of a failed round at ``step`` or before, if one failed.
+
+        Step ``s`` is delivered only after round ``s + 1``, like after metadata round
+        ``s + 1``. When that collective itself fails (a peer crashed), every surviving rank of
+        the world sees the failure at the same round, while a survivor in the dead rank's
+        own group may also see its group fail one round later: both must then stop at ``s``,
+        not deliver it on some ranks and not on others.
+        """
+        failed = self._failed
+        return failed[1] if failed is not None and failed[0] <= step else None
 
     async def run(self, state: StepState) -> None:
         if self._transport is None:
@@ -106,11 +123,46 @@ class WorldRound:
         try:
             messages = await self._transport.all_gather(message)
         except Exception as exc:
+            # Stopped only once the error is complete: a delivery waiting for this round must
+            # not go on (or raise a half-told error) while the roll call runs.
+            error = await self._blame(exc, state.step)
+            self._failed = (state.step, error)
             self._stopped = True
             if status == "ok":
-                state.remote = exc
+                state.remote = error
             return
         self._judge(state, status, messages)
+
+    async def _blame(self, exc: Exception, step: int) -> Exception:
+        """``exc`` naming the ranks that did not answer a roll call (who crashed): Gloo names a
+        failed peer by address only, so in a world of three or more ranks the error said
+        nothing of who was gone."""
+        roll_call = getattr(self._transport, "roll_call", None)
+        if not isinstance(exc, TransportError) or not callable(roll_call):
+            return exc
+        missing = await roll_call(_ROLL_CALL)
+        if not missing:
+            return exc
+        names = ", ".join(map(str, missing))
+        blamed = type(exc)(
+            f"{exc} The world round of step {step} failed because rank(s) {names} did not "
+            "answer a roll call of the survivors: they crashed or are stuck (every other "
+            "rank answered).",
+            rank=exc.rank,
+            op=exc.op,
+            peer_rank=exc.peer_rank,
+        )
+        blamed.missing_ranks = missing  # type: ignore[attr-defined]
+        blamed.__cause__ = exc
+        return blamed
+
+    async def answer_roll_call(self) -> None:
+        """This rank is alive: answer the world's roll call after a failure, without waiting
+        (a rank whose own balance group failed first may never run the failed world round,
+        but the survivors' roll call must not count it among the dead)."""
+        roll_call = getattr(self._transport, "roll_call", None)
+        if callable(roll_call):
+            await roll_call(_ROLL_CALL, 0.0)
 
     def _judge(self, state: StepState, status: str, messages: list[Any]) -> None:
         assert self._transport is not None

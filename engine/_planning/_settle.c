@@ -1,6 +1,7 @@
 /*
  * Settling a plan where its samples already are: part of the planner's compiled core (the
- * method table lives in _native.c; settle.py is the one Python caller).
+ * method table lives in _native.c; settle.py is the one Python caller; tests/oracles/settle.py
+ * is its specification in Python, held to identical layouts by tests/test_plan_settle_oracle.py).
  *
  * A balanced layout can be relabelled at no cost in balance: ranks are interchangeable, and
  * so are the bins of a rank. settle() picks the labels that keep the most sample weight
@@ -52,6 +53,7 @@
 
 #include "_vec.h"
 
+/* Tuning constants: listed in engine/_planning/schedule.py (CORE_CONSTANTS), which must match. */
 #define EXACT_ASSIGN 128
 #define TOP_PAIRS 8
 #define HOME_PASSES 4
@@ -83,6 +85,24 @@
 /* ... on steps up to this many samples: at 1,024 x 4 (sft, 94,000 samples) they changed the
    moved fraction by < 0.001 for ~10 ms a plan. */
 #define PAIR_MAX_SAMPLES 20000
+
+/* The constants above, exported for the test oracle (tests/oracles/settle.py), so that none
+   is written twice; called from the module's init (_native.c). -1 on failure. */
+int evenflow_settle_constants(PyObject *mod) {
+    return (PyModule_AddIntConstant(mod, "SETTLE_EXACT_ASSIGN", EXACT_ASSIGN) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_TOP_PAIRS", TOP_PAIRS) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_HOME_PASSES", HOME_PASSES) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_SWAP_SCAN", SWAP_SCAN) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_THOROUGH_PASSES", THOROUGH_PASSES) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_THOROUGH_SCAN", THOROUGH_SCAN) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_EJECT_RANKS", EJECT_RANKS) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_EJECT_SCAN", EJECT_SCAN) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_EJECT_PASSES", EJECT_PASSES) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_PAIR_PASSES", PAIR_PASSES) < 0 ||
+            PyModule_AddIntConstant(mod, "SETTLE_PAIR_MAX_SAMPLES", PAIR_MAX_SAMPLES) < 0)
+               ? -1
+               : 0;
+}
 
 typedef struct {
     int64_t w, row, col;

@@ -21,8 +21,10 @@ oversized rule and non-empty bins. The search counts attempts (one per group exa
 time, and breaks ties by index, so it is a pure function of its input.
 
 Moves into any bin are examined; exchanges only with the samples of the few units that have
-the most room below their group's maximum (:data:`PARTNER_UNITS`), which bounds an attempt's
-work. The search reads scalar sample costs; the caller scores the result in its own units.
+the most room below their group's maximum (``schedule.PARTNER_UNITS``), which bounds an
+attempt's work. The two families are a table (``GROUPED_FAMILIES``) walked by one attempt, as
+in the per-rank search phases, except that the best candidate over the table wins. The search
+reads scalar sample costs; the caller scores the result in its own units.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from evenflow.engine._model import PackingConstraints
+from evenflow.engine._planning.schedule import PARTNER_UNITS
 
 __all__ = [
-    "PARTNER_UNITS",
     "UnitState",
     "group_cost",
     "grouped_search",
@@ -42,9 +44,6 @@ __all__ = [
     "permute_bins",
     "sorted_units",
 ]
-
-# Units whose samples are exchange candidates in one attempt (the ones with the most room).
-PARTNER_UNITS = 8
 
 
 def sorted_units(unit_costs: np.ndarray) -> np.ndarray:
@@ -155,6 +154,98 @@ def grouped_search(
     return attempts
 
 
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    """What the families read in one attempt on a group: its most costly unit ``x`` (cost
+    ``top``), how far ``x`` can drop before another unit is the group's maximum (``room``),
+    every unit's room below its own group's maximum (``slack``; none for ``x``), and ``x``'s
+    samples (``mine``) with their costs, tokens and bins."""
+
+    x: int
+    top: float
+    room: float
+    slack: np.ndarray
+    unit_of: np.ndarray
+    mine: np.ndarray
+    ci: np.ndarray
+    ti: np.ndarray
+    bi: np.ndarray
+    open_units: np.ndarray
+    limits: np.ndarray
+
+
+# A candidate change: (gain, -d, kind, row of the sample in ``mine``, target bin or sample).
+Candidate = tuple[float, float, int, int, int]
+
+
+def _moves(state: UnitState, constraints: PackingConstraints, at: _Attempt) -> Candidate | None:
+    """Sample i of x into bin q of a unit with room for its cost: the most gain, then the
+    least cost moved, then the most room left, then the lowest (row, bin)."""
+    if not at.open_units.size:
+        return None
+    per = state.bins_per_unit
+    ci, ti, bi, slack, limits = at.ci, at.ti, at.bi, at.slack, at.limits
+    q = (at.open_units[:, None] * per + np.arange(per)).reshape(-1)
+    ok = (state.bin_tok[q][None, :] + ti[:, None]) <= constraints.seq_len
+    ok &= ci[:, None] < slack[q // per][None, :]
+    ok &= (state.bin_cnt[bi] > 1)[:, None] & (ci > 0)[:, None]
+    if limits.size:
+        bud = state.bin_bud[q][None, :, :] + state.budget_costs[at.mine][:, None, :]
+        ok &= np.all(bud <= limits, axis=2)
+    if not ok.any():
+        return None
+    rows, cols = np.nonzero(ok)
+    d = ci[rows]
+    gain = np.minimum(d, at.room)
+    after = slack[q[cols] // per] - d
+    pick = np.lexsort((cols, rows, -after, d, -gain))[0]
+    return (float(gain[pick]), -float(d[pick]), 1, int(rows[pick]), int(q[cols[pick]]))
+
+
+def _exchanges(
+    state: UnitState, constraints: PackingConstraints, at: _Attempt
+) -> Candidate | None:
+    """Sample i of x for a cheaper sample j of one of the PARTNER_UNITS units with the most
+    room: the most gain, then the least cost exchanged, then the lowest (row, sample)."""
+    per = state.bins_per_unit
+    ci, ti, bi, slack, limits = at.ci, at.ti, at.bi, at.slack, at.limits
+    candidates = at.open_units[np.lexsort((at.open_units, -slack[at.open_units]))][
+        :PARTNER_UNITS
+    ]
+    if not candidates.size:
+        return None
+    wanted = np.zeros(num_units_of(state), dtype=bool)
+    wanted[candidates] = True
+    theirs = np.flatnonzero(wanted[at.unit_of])
+    costs, tokens, seq_len = state.costs, state.tokens, constraints.seq_len
+    cj, tj, bj = costs[theirs], tokens[theirs], state.bin_of[theirs]
+    d = ci[:, None] - cj[None, :]
+    ok = (d > 0) & (d < slack[bj // per][None, :])
+    single = constraints.oversized_policy == "single"
+    tok_x = state.bin_tok[bi][:, None] - ti[:, None] + tj[None, :]
+    tok_y = state.bin_tok[bj][None, :] - tj[None, :] + ti[:, None]
+    ok &= (tok_x <= seq_len) | (single & (state.bin_cnt[bi] == 1))[:, None]
+    ok &= (tok_y <= seq_len) | (single & (state.bin_cnt[bj] == 1))[None, :]
+    if limits.size and ok.any():
+        bi_bud, bj_bud = state.budget_costs[at.mine], state.budget_costs[theirs]
+        diff = bj_bud[None, :, :] - bi_bud[:, None, :]
+        ok &= np.all(state.bin_bud[bi][:, None, :] + diff <= limits, axis=2)
+        ok &= np.all(state.bin_bud[bj][None, :, :] - diff <= limits, axis=2)
+    if not ok.any():
+        return None
+    rows, cols = np.nonzero(ok)
+    dd = d[rows, cols]
+    gain = np.minimum(dd, at.room)
+    pick = np.lexsort((cols, rows, dd, -gain))[0]
+    return (float(gain[pick]), -float(dd[pick]), 0, int(rows[pick]), int(theirs[cols[pick]]))
+
+
+# The grouped search's families. Unlike the per-rank phases, which apply the first family that
+# finds a change, an attempt here takes the best candidate over the whole table (the most gain
+# for the group, then the least cost changed; ties to the earlier family).
+GROUPED_FAMILIES = (_moves, _exchanges)
+
+
 def _improve(state: UnitState, constraints: PackingConstraints, size: int, g: int) -> bool:
     """One attempt on group ``g``: the best change out of its most costly unit, if any."""
     unit_cost = state.unit_cost
@@ -167,68 +258,28 @@ def _improve(state: UnitState, constraints: PackingConstraints, size: int, g: in
     limit[g * size : (g + 1) * size] = top
     slack = limit - unit_cost
     slack[x] = -np.inf
-    per = state.bins_per_unit
-    unit_of = state.bin_of // per
+    unit_of = state.bin_of // state.bins_per_unit
     mine = np.flatnonzero(unit_of == x)
     if mine.size == 0:
         return False
-    costs, tokens = state.costs, state.tokens
-    ci, ti, bi = costs[mine], tokens[mine], state.bin_of[mine]
-    seq_len = constraints.seq_len
-    limits = np.array(list(constraints.budgets.values()), dtype=np.float64)
-    best: tuple[float, float, int, int, int] | None = None  # (gain, -d, kind, i, target)
-
-    # Moves: sample i of x into bin q of a unit with room for its cost.
-    open_units = np.flatnonzero(slack > 0)
-    if open_units.size:
-        q = (open_units[:, None] * per + np.arange(per)).reshape(-1)
-        ok = (state.bin_tok[q][None, :] + ti[:, None]) <= seq_len
-        ok &= ci[:, None] < slack[q // per][None, :]
-        ok &= (state.bin_cnt[bi] > 1)[:, None] & (ci > 0)[:, None]
-        if limits.size:
-            bud = state.bin_bud[q][None, :, :] + state.budget_costs[mine][:, None, :]
-            ok &= np.all(bud <= limits, axis=2)
-        if ok.any():
-            rows, cols = np.nonzero(ok)
-            d = ci[rows]
-            gain = np.minimum(d, room)
-            after = slack[q[cols] // per] - d
-            pick = np.lexsort((cols, rows, -after, d, -gain))[0]
-            best = (float(gain[pick]), -float(d[pick]), 1, int(rows[pick]), int(q[cols[pick]]))
-
-    # Exchanges: sample i of x for a cheaper sample j of a unit with the most room.
-    candidates = open_units[np.lexsort((open_units, -slack[open_units]))][:PARTNER_UNITS]
-    if candidates.size:
-        wanted = np.zeros(num_units_of(state), dtype=bool)
-        wanted[candidates] = True
-        theirs = np.flatnonzero(wanted[unit_of])
-        cj, tj, bj = costs[theirs], tokens[theirs], state.bin_of[theirs]
-        d = ci[:, None] - cj[None, :]
-        ok = (d > 0) & (d < slack[bj // per][None, :])
-        single = constraints.oversized_policy == "single"
-        tok_x = state.bin_tok[bi][:, None] - ti[:, None] + tj[None, :]
-        tok_y = state.bin_tok[bj][None, :] - tj[None, :] + ti[:, None]
-        ok &= (tok_x <= seq_len) | (single & (state.bin_cnt[bi] == 1))[:, None]
-        ok &= (tok_y <= seq_len) | (single & (state.bin_cnt[bj] == 1))[None, :]
-        if limits.size and ok.any():
-            bi_bud, bj_bud = state.budget_costs[mine], state.budget_costs[theirs]
-            diff = bj_bud[None, :, :] - bi_bud[:, None, :]
-            ok &= np.all(state.bin_bud[bi][:, None, :] + diff <= limits, axis=2)
-            ok &= np.all(state.bin_bud[bj][None, :, :] - diff <= limits, axis=2)
-        if ok.any():
-            rows, cols = np.nonzero(ok)
-            dd = d[rows, cols]
-            gain = np.minimum(dd, room)
-            pick = np.lexsort((cols, rows, dd, -gain))[0]
-            found = (
-                float(gain[pick]),
-                -float(dd[pick]),
-                0,
-                int(rows[pick]),
-                int(theirs[cols[pick]]),
-            )
-            if best is None or found[:2] > best[:2]:
-                best = found
+    at = _Attempt(
+        x=x,
+        top=top,
+        room=room,
+        slack=slack,
+        unit_of=unit_of,
+        mine=mine,
+        ci=state.costs[mine],
+        ti=state.tokens[mine],
+        bi=state.bin_of[mine],
+        open_units=np.flatnonzero(slack > 0),
+        limits=np.array(list(constraints.budgets.values()), dtype=np.float64),
+    )
+    best: Candidate | None = None
+    for family in GROUPED_FAMILIES:
+        found = family(state, constraints, at)
+        if found is not None and (best is None or found[:2] > best[:2]):
+            best = found
     if best is None:
         return False
     _, _, kind, row, target = best

@@ -44,9 +44,9 @@ from evenflow.engine._planning.problem import (
     _first_infeasible_flat,
     _flatten,
 )
+from evenflow.engine._planning.schedule import LOCKSTEP_PASSES
 
 __all__ = [
-    "LOCKSTEP_PASSES",
     "bin_cost_matrix",
     "lockstep_assign",
     "order_bins",
@@ -54,12 +54,6 @@ __all__ = [
 ]
 
 Assign = Callable[[BalanceProblem], "Sequence[Sequence[int]] | None"]
-
-# Passes of the grouped search over the positions of a step (an attempt examines one position,
-# ~0.1-0.5 ms). Measured with ``evenflow bench planner --lockstep`` at 8 ranks x 4 bins: the
-# first two passes bring most of the gain (longctx p50 excess over the bound 0.133 without a
-# search, 0.107 after two passes, 0.102 after ~60 attempts at twice the planning time).
-LOCKSTEP_PASSES = 4
 
 
 def search_budget(num_groups: int, passes: int) -> int:

@@ -20,6 +20,7 @@ import numpy as np
 from evenflow.engine._planning.problem import BalanceProblem
 
 __all__ = [
+    "ALL_FAMILIES",
     "CORE_VERSION",
     "core_identity",
     "cost_order",
@@ -32,6 +33,8 @@ __all__ = [
 ]
 
 _MODULE = "evenflow.engine._planning._native"
+# Every entry of a search phase's table of move families (a bit per entry).
+ALL_FAMILIES = (1 << 64) - 1
 
 
 def _load() -> Any:
@@ -96,12 +99,14 @@ def refine_search(
     budget: int,
     good_enough: float,
     sumsq: bool,
+    families: int = ALL_FAMILIES,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run the local search from ``start`` = ``(flat, sizes)``; the layout reached.
 
     ``state`` holds the search state for the start (``bin_of``, ``bin_cnt``, ``bin_tok``,
     ``bin_cost``, ``bin_bud``, ``load``; see ``search.py``) as writable contiguous arrays of
-    the right types; the core updates them in place.
+    the right types; the core updates them in place. ``families``: the entries of the first
+    phase's table in use, bit ``e`` for entry ``e`` (tests hold each to its oracle alone).
     """
     flat, sizes = _i64(start[0]), _i64(start[1])
     out_flat = np.empty_like(flat)
@@ -126,6 +131,7 @@ def refine_search(
         budget,
         good_enough,
         sumsq,
+        families,
     )
     return out_flat, out_sizes
 
@@ -204,10 +210,12 @@ def polish(
     good_enough: float,
     sumsq: bool,
     cells: int,
+    families: int = ALL_FAMILIES,
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Run the second search phase from ``start`` = ``(flat, sizes)`` (no packing budgets):
     the layout reached and the number of changes. ``state`` is the search state of the start
-    (``search.py``), updated in place; ``cells`` the knapsack allowance (see ``polish.py``).
+    (``search.py``), updated in place; ``cells`` the knapsack allowance (see ``polish.py``);
+    ``families`` the entries of the phase's table in use, as for :func:`refine_search`.
     """
     flat, sizes = _i64(start[0]), _i64(start[1])
     out_flat = np.empty_like(flat)
@@ -230,6 +238,7 @@ def polish(
         good_enough,
         sumsq,
         cells,
+        families,
     )
     return out_flat, out_sizes, int(changes)
 

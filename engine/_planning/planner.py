@@ -18,6 +18,7 @@ import itertools
 import math
 import threading
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
@@ -47,11 +48,11 @@ from evenflow.engine._planning.problem import (
     _first_infeasible_flat,
 )
 from evenflow.engine._planning.registry import resolve_algorithm
-from evenflow.engine._planning.settle import home_bins, settle
+from evenflow.engine._planning.settle import Settler
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError, PlanningError
 
-__all__ = ["Planner"]
+__all__ = ["PlannedStep", "Planner"]
 
 _pause_lock = threading.Lock()
 _pause_depth = 0
@@ -79,6 +80,22 @@ def _collector_paused() -> Iterator[None]:
             _pause_depth -= 1
             if _pause_depth == 0 and _pause_restores:
                 gc.enable()
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedStep:
+    """One planned step: the plan, and the delivered layout in the planner's own terms.
+
+    ``flat``/``sizes`` is the layout the plan delivers, in canonical sample indices of
+    ``problem`` (the step's samples in ascending key order, with their costs), so that a
+    planner built on this one (the window planner) continues from it without re-deriving
+    costs or indices from the plan's keys.
+    """
+
+    plan: Plan
+    problem: BalanceProblem
+    flat: np.ndarray
+    sizes: np.ndarray
 
 
 class Planner:
@@ -132,7 +149,6 @@ class Planner:
         self._last_keys: Sequence[SampleKey] = ()
         self._last_values: np.ndarray = np.zeros(0, dtype=np.float64)
         self._last_costs: dict[SampleKey, float] | None = {}
-        self._last_layout: tuple[BalanceProblem, np.ndarray, np.ndarray] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -203,7 +219,7 @@ class Planner:
                 bins_per_rank=self.bins_per_rank,
                 constraints=self.constraints,
             )
-            return self._plan(columns, step, keys)
+            return self._plan(columns, step, keys).plan
 
     def plan_arrays(self, columns: StepColumns, step: int) -> Plan:
         """Plan ``step`` from per-sample arrays (what the gathered metadata messages carry).
@@ -212,6 +228,11 @@ class Planner:
         included; no key or metadata object is built unless a cost model, an algorithm or
         an error message asks for one.
         """
+        return self.plan_step(columns, step).plan
+
+    def plan_step(self, columns: StepColumns, step: int) -> PlannedStep:
+        """:meth:`plan_arrays`, with the delivered layout in canonical indices beside the plan
+        (what the window planner continues from)."""
         step = check_int("step", step, minimum=0)
         check_columns(columns, self.num_bins)
         with _collector_paused():
@@ -219,7 +240,7 @@ class Planner:
 
     def _plan(
         self, columns: StepColumns, step: int, given_keys: tuple[SampleKey, ...] | None
-    ) -> Plan:
+    ) -> PlannedStep:
         fields, order, source_flat = _canonical_order(columns, step)
         keys: Sequence[SampleKey] = KeyView(fields) if given_keys is None else given_keys
         metas = MetadataView(columns, order)
@@ -267,8 +288,8 @@ class Planner:
         else:
             # Free in balance: keep as many samples as possible where they were read.
             if not (isinstance(candidate, FlatLayout) and candidate.settled):
-                home = home_bins(source_flat, source_sizes, problem.num_samples)
-                flat, sizes = settle(problem, flat, sizes, home, score=self._layout_score(problem))
+                settler = Settler(problem, source_flat, source_sizes, self._layout_score(problem))
+                flat, sizes = settler.plain(flat, sizes)
                 dest_rank = problem._rank_of_flat(flat, sizes)
                 candidate_costs = problem.rank_costs_of(dest_rank)
                 # Settling never scores worse but may score better (a sample sent home can
@@ -280,8 +301,6 @@ class Planner:
             # Positions align across ranks: every rank's bins costliest first (the source's
             # too, which moves nothing and is what its score above assumed).
             flat, sizes = order_bins(flat, sizes, bin_cost_matrix(problem, flat, sizes))
-        # The accepted layout in canonical indices, for the window planner built on this one.
-        self._last_layout = (problem, flat, sizes)
         makespan = float(candidate_final_costs.max(initial=0.0))
         bound = step_bound(problem, upper=makespan)
         decision = BalanceDecision(
@@ -306,7 +325,7 @@ class Planner:
             keys=given_keys,
             order=flat if given_keys is not None else None,
         )
-        return Plan.of_layout(
+        plan = Plan.of_layout(
             layout,
             step=step,
             seq_len=self.seq_len,
@@ -316,6 +335,7 @@ class Planner:
             num_moved=int(np.count_nonzero(dest_rank != source_rank)),
             digest=layout.digest(step, self.seq_len),
         )
+        return PlannedStep(plan, problem, flat, sizes)
 
     # ------------------------------------------------------------------ steps of plan()
 

@@ -15,9 +15,10 @@ in Python, and tests hold the two to identical layouts):
   partner bin's samples by tokens, keeping the cheapest and the costliest subset of every
   total), which is what still improves nearly full layouts with one bin per rank.
 
-The knapsack's work is counted in cells against an allowance (:data:`SUBSET_CELLS` with one
-bin per rank, none with several: there whole bins move instead), and the number of attempts
-against the search's budget, so a plan's time stays bounded and never depends on a clock.
+The knapsack's work is counted in cells against an allowance (``schedule.knapsack_cells``:
+``SUBSET_CELLS`` with one bin per rank, none with several: there whole bins move instead),
+and the number of attempts against the search's budget, so a plan's time stays bounded and
+never depends on a clock.
 Not used with packing budgets.
 """
 
@@ -30,16 +31,7 @@ from evenflow.engine._planning.objectives import balance
 from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
 from evenflow.engine._planning.search import good_enough, search_state
 
-__all__ = ["SUBSET_CELLS", "polish", "polish_cells"]
-
-# Knapsack cells (partner samples x token totals) a plan may spend on subset exchanges:
-# ~2-4 ms compiled. A 32k-token bin of 24 samples costs ~0.8 M cells per partner bin.
-SUBSET_CELLS = 1 << 21
-
-
-def polish_cells(problem: BalanceProblem) -> int:
-    """The knapsack allowance of ``problem``: subset exchanges run with one bin per rank."""
-    return SUBSET_CELLS if problem.bins_per_rank == 1 else 0
+__all__ = ["polish"]
 
 
 def polish(

@@ -44,6 +44,10 @@ never dead-ends and is never worse than either of them:
    from the source, with more attempts, aims at that final score and replaces the layout
    when it moves fewer samples.
 
+What runs, in which order and with which budget, is data: ``schedule.DEFAULT`` (starts, the
+search's phases, the finalists and the finish's stages), which :meth:`RefineAlgorithm.assign`
+runs; ``schedule.py`` also holds every tuning constant with its measurement.
+
 Under the ``lockstep`` objective the same algorithm runs the method of ``lockstep.py``: it
 balances the step as ``R·B`` one-bin ranks with the steps above, deals the bins into positions
 by cost and searches position by position (see that module).
@@ -56,8 +60,8 @@ the lowest index, and the budget counts attempts, never time.
 One implementation: the search runs in the compiled core (``native.py``, driven by
 ``search.py``), with or without packing budgets; ``tests/oracles/planning.py`` holds its
 specification as whole-array numpy expressions, and tests hold the two to identical layouts.
-The search's tuning constants (partner ranks examined, swap windows, exchange candidates) are
-defined once, in ``_native.c``.
+Every tuning constant and budget is in ``schedule.py`` (the core's are listed there with the
+rule that they must match their ``#define``).
 
 Limits: moves are between two ranks at a time (no ejection chains), runs in one-for-many
 exchanges are contiguous in token order within a bin, and the search optimises the sum of
@@ -72,12 +76,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from evenflow.engine._planning import schedule
 from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.lockstep import lockstep_assign
 from evenflow.engine._planning.lpt import lpt_layout
-from evenflow.engine._planning.native import cost_order
 from evenflow.engine._planning.objectives import lockstep, makespan
-from evenflow.engine._planning.polish import polish, polish_cells
+from evenflow.engine._planning.polish import polish
 from evenflow.engine._planning.problem import (
     BalanceProblem,
     FlatLayout,
@@ -85,76 +89,10 @@ from evenflow.engine._planning.problem import (
     first_infeasible_bin,
 )
 from evenflow.engine._planning.search import search
-from evenflow.engine._planning.settle import home_bins, settle
+from evenflow.engine._planning.settle import Settler
 from evenflow.engine._validate import check_optional_int
 
 __all__ = ["RefineAlgorithm"]
-
-# Problems up to this many samples are searched from every start, to convergence. Beyond
-# it an attempt costs far more than a greedy pass (a 4-rank step of ~160 samples took ~80 ms
-# when the search ran in numpy), so the budget below applies.
-_MULTI_START_SAMPLES = 48
-# Improvement attempts: one per this many samples, within [_MIN_BUDGET, _MAX_BUDGET]. The
-# first few attempts bring most of the gain (at 8 ranks x 4 bins, 8 attempts close ~70% of
-# what 100 do; one per 120 samples instead of per 80 changes the benchmark's mean reduction
-# against LPT from 1.20% to 1.16% and takes ~0.4 ms off its slowest 8-rank plans). An
-# attempt costs 50-150 us there; at 1,024 ranks attempts beyond the old cap of 96 still cut
-# the makespan by ~1% (a = 4,096, first-fit sources).
-_SAMPLES_PER_ATTEMPT = 120
-# ... and at least one per this many ranks: an attempt works one rank, and a step whose ranks
-# hold few long samples (longctx, 256 x 2: ~8 a rank, so 16 attempts by samples) has most of
-# its ranks above the bound; 128 attempts there take the benchmark's p90 max / bound from
-# 1.105 to 1.072 (pretrain 1.062 to 1.052), and more changed nothing.
-_RANKS_PER_ATTEMPT = 2
-_MIN_BUDGET = 6
-_MAX_BUDGET = 512
-# The search from the source towards the best makespan (``_finish``) runs on steps up to this
-# many samples, with _STAY_ATTEMPTS attempts plus one per _STAY_SAMPLES_PER_ATTEMPT samples
-# (and one per _STAY_RANKS_PER_ATTEMPT ranks, below): each attempt changes one or two
-# samples, and reaching a balanced layout from a source 1.3x above its bound takes ~1 per 25
-# (p50 26 attempts at 8 x 4, 235 at 64 x 4, sft). A step that does not get there in time
-# keeps the other layout, so the cap bounds the planning time (~2 ms at 8 x 4) and nothing
-# else. Past ~20,000 samples it would cost more than the rest of the plan and rarely arrive.
-_STAY_MAX_SAMPLES = 20_000
-# Alternations of the second search phase with the first (see ``_refine``): two, one past
-# _STAY_MAX_SAMPLES samples, where each round's fresh search state and search cost ~30 ms
-# (1,024 x 4) and the third round gained < 0.1% of makespan on the benchmark's steps.
-_POLISH_ROUNDS = 2
-# ... plus one per this many ranks, at most _MAX_POLISH_ROUNDS: the first phase stalls once
-# the most loaded rank has no change with the lightest ranks, and each round of group-wide
-# moves lets it go on. At 256 x 2 (sft, a = 24,576) the third and fourth rounds took a step
-# from 1.0158 to 1.0016 x bound; past four nothing changed on the benchmark's steps.
-_RANKS_PER_ROUND = 128
-_MAX_POLISH_ROUNDS = 4
-# LPT is settled as a finalist too when its score is within this factor of the best one.
-_CLOSE = 1.001
-_STAY_ATTEMPTS = 24
-_STAY_SAMPLES_PER_ATTEMPT = 64
-# The second search from the source (``_finish``) runs where ranks hold at most _STAY_FEW
-# samples on average (long documents: ~16 a rank on the benchmark's longctx steps, ~88 on its
-# sft ones), with _STAY_WORK attempts-times-samples-per-rank: an attempt's work grows with the
-# samples of the ranks it examines, so this is about the work of the first search on an sft
-# step at 8 x 4 (35 attempts), ~190 attempts on longctx. There the first search often stops
-# short of the best score (its 25 attempts end in a stalled layout) and the second brings the
-# median moved fraction of longctx 8 x 4 steps from 0.50 to 0.45 (firstfit); past ~200
-# attempts nothing changed.
-_STAY_FEW = 48
-_STAY_WORK = 3072
-# ... and at most this many: one bin per rank of long documents (~4 samples a rank) would
-# otherwise get ~770, where past ~200 nothing changed on the benchmark's steps.
-_STAY_WIDEST = 256
-# The first search from the source gets one attempt more per two ranks (each attempt works
-# one rank: at 64 x 4, sft first-fit steps then reach the best score more often, median
-# moved 0.58 -> 0.48), and when it stops within _STAY_CLOSE of that score it goes on from
-# where it stopped for _STAY_MORE of its attempts again (sft first-fit 8 x 4: median moved
-# 0.51 -> 0.36, at +0.3 ms p99 planning time; going on within 1% or for all the attempts
-# again moved less still but cost ~1 ms more at p99).
-_STAY_RANKS_PER_ATTEMPT = 2
-_STAY_CLOSE = 0.003
-_STAY_MORE = 0.5
-# The search from the source alternates with the second phase once.
-_STAY_ROUNDS = 1
-
 
 class RefineAlgorithm:
     """Best of source, LPT and bin-level LPT, then capacity-aware local search (the default).
@@ -180,26 +118,33 @@ class RefineAlgorithm:
             return lockstep_assign(problem, self.assign)
         if problem.num_ranks < 2:
             return None
+        return self._run(problem, schedule.DEFAULT)
+
+    def _run(self, problem: BalanceProblem, sched: schedule.Schedule) -> FlatLayout | None:
+        """Run ``sched`` (see :class:`~evenflow.engine._planning.schedule.Schedule`)."""
         # Layouts travel as (flat, sizes) arrays, each scored once: at 100,000 samples a pass
         # over nested lists costs ~10 ms, more than a dozen compiled search attempts.
-        starts = [FlatLayout(*_flatten(problem.source_bins))]
-        lpt = self._greedy(problem)
-        if lpt is not None:
-            starts.append(lpt)
-        if problem.bins_per_rank > 1:
-            starts.append(_deal_bins(problem, starts[0]))
-            starts.append(kk_bins(problem, starts[0]))
+        source = FlatLayout(*_flatten(problem.source_bins))
+        made: dict[str, int] = {}  # start name -> its index in starts
+        starts: list[FlatLayout] = []
+        for start in sched.starts:
+            if start.several_bins and problem.bins_per_rank == 1:
+                continue
+            layout = self._start(problem, start.name, source)
+            if layout is not None:
+                made[start.name] = len(starts)
+                starts.append(layout)
         scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
-        budget = _default_budget(problem) if self.max_iterations is None else self.max_iterations
-        if problem.num_samples <= _MULTI_START_SAMPLES:
+        budget = self._budget(problem, sched.search)
+        if problem.num_samples <= sched.multi_start_samples:
             origins = starts
         else:
             origins = [starts[min(range(len(starts)), key=scores.__getitem__)]]
         # Same candidates, order and strict comparison as scoring every layout afresh: the
-        # searched layouts first, then LPT and the dealt bins; ties keep the earlier one.
+        # searched layouts first, then the other starts; ties keep the earlier one.
         candidates: list[tuple[FlatLayout, float]] = []
         for origin in origins:
-            layout, rank_of = self._refine(problem, origin, budget)
+            layout, rank_of = self._phases(problem, origin, budget, sched.search)
             candidates.append((layout, _score_of(problem, rank_of)))
         candidates.extend(zip(starts[1:], scores[1:], strict=True))
         best_layout: FlatLayout | None = None
@@ -211,104 +156,134 @@ class RefineAlgorithm:
         if best_layout is None:
             return None
         finalists = [best_layout]
-        if lpt is not None and lpt is not best_layout and scores[1] <= best_score * _CLOSE:
+        k = made.get(sched.close_start, -1)
+        if k >= 0 and starts[k] is not best_layout and scores[k] <= best_score * sched.close:
             # Settling may lower a layout's makespan (a sample sent home can leave the most
             # loaded rank), so LPT settled could end below the best one settled.
-            finalists.append(lpt)
-        return self._finish(problem, starts[0], finalists)
+            finalists.append(starts[k])
+        return self._finish(problem, source, finalists, sched.finish)
+
+    def _start(self, problem: BalanceProblem, name: str, source: FlatLayout) -> FlatLayout | None:
+        if name == "source":
+            return source
+        if name == "lpt":
+            return self._greedy(problem)
+        if name == "dealt bins":
+            return _deal_bins(problem, source)
+        if name == "kk bins":
+            return kk_bins(problem, source)
+        raise ValueError(f"The schedule names an unknown start {name!r}.")
+
+    def _budget(self, problem: BalanceProblem, search: schedule.Search) -> int:
+        if search.budget is not None:
+            return search.budget(problem)
+        if self.max_iterations is not None:
+            return self.max_iterations
+        return schedule.default_budget(problem)
+
+    def _phases(
+        self,
+        problem: BalanceProblem,
+        origin: FlatLayout,
+        budget: int,
+        search: schedule.Search,
+        *,
+        stop_at: float | None = None,
+    ) -> tuple[FlatLayout, np.ndarray]:
+        return self._refine(
+            problem,
+            origin,
+            budget,
+            stop_at=stop_at,
+            rounds=search.rounds(problem),
+            knapsack=search.knapsack,
+        )
 
     def _finish(
         self,
         problem: BalanceProblem,
         source: FlatLayout,
         finalists: list[FlatLayout],
+        stages: tuple[schedule.Stage, ...],
     ) -> FlatLayout:
-        """The finalists settled (``settle.py``), plus, under the makespan objective, a
-        search from the source that stops once it is as good as the best of them: the best
-        score wins, and among equal scores the layout that moves fewest samples. Where ranks
-        hold few samples, a second search from the source then aims at the chosen layout's
-        final score with more attempts (``_stay_budget``).
+        """Run the finish ``stages`` on the finalists: settles, searches from the source (which
+        change only what balance needs, whereas LPT and dealt bins start from scratch and move
+        nearly every sample) and the choice among them; the chosen layout, settled."""
+        settler = Settler(problem, source.flat, source.sizes)
+        score, moved = settler.score, settler.moved
+        settles = {"plain": settler.plain, "thorough": settler.thorough}
+        layouts = list(finalists)
+        scores: list[float] = []
+        chosen = layouts[0]
+        for stage in stages:
+            if isinstance(stage, schedule.Settle) and stage.what == "finalists":
+                how = settles[stage.how]
+                layouts = [FlatLayout(*how(f.flat, f.sizes), settled=True) for f in layouts]
+                scores = [score(lay.flat, lay.sizes) for lay in layouts]
+            elif isinstance(stage, schedule.Settle):
+                chosen = FlatLayout(*settles[stage.how](chosen.flat, chosen.sizes))
+            elif isinstance(stage, schedule.Choose):
+                best, pick, fewest = min(scores), 0, -1
+                for k, lay in enumerate(layouts):
+                    if scores[k] > best:
+                        continue
+                    count = moved(lay.flat, lay.sizes)
+                    if fewest < 0 or count < fewest:
+                        pick, fewest = k, count
+                chosen = layouts[pick]
+            else:
+                if problem.objective is not makespan or not schedule.stays_from_source(problem):
+                    continue
+                budget = self._budget(problem, stage.search)
+                if budget <= 0:
+                    continue
+                if stage.aim == "best finalist":
+                    reach = min(scores)
+                    best = layouts[scores.index(reach)]
+                    rank_of = problem._rank_of_flat(best.flat, best.sizes)
+                    stop = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
+                else:
+                    reach = stop = score(chosen.flat, chosen.sizes)
+                stay = self._stay(problem, source, budget, stage, stop, reach)
+                if stay is None:
+                    continue
+                for how in stage.settles:
+                    stay = FlatLayout(*settles[how](stay.flat, stay.sizes), settled=True)
+                if stage.keep == "finalist":
+                    layouts.insert(0, stay)
+                    scores.insert(0, score(stay.flat, stay.sizes))
+                elif score(stay.flat, stay.sizes) <= reach and moved(
+                    stay.flat, stay.sizes
+                ) < moved(chosen.flat, chosen.sizes):
+                    chosen = stay
+        return FlatLayout(chosen.flat, chosen.sizes, settled=True)
 
-        Searching from the source changes only what balance needs, whereas LPT and dealt
-        bins start from scratch and move nearly every sample.
-        """
-        n = problem.num_samples
-        first = _stay_first(n, problem.num_ranks)
-        home = home_bins(source.flat, source.sizes, n)
-        order = cost_order(problem)  # sorted once for every settle below
-
-        def score(flat: np.ndarray, sizes: np.ndarray) -> float:
-            return _score_of(problem, problem._rank_of_flat(flat, sizes))
-
-        layouts = [
-            FlatLayout(
-                *settle(problem, f.flat, f.sizes, home, score=score, order=order), settled=True
+    def _stay(
+        self,
+        problem: BalanceProblem,
+        source: FlatLayout,
+        budget: int,
+        stage: schedule.FromSource,
+        stop: float,
+        reach: float,
+    ) -> FlatLayout | None:
+        """The search of ``stage`` from the source, stopping at load ``stop``, going on after a
+        near miss; the layout when it scores ``reach`` or less within the packing budgets."""
+        stay, rank_of = self._phases(problem, source, budget, stage.search, stop_at=stop)
+        reached = _score_of(problem, rank_of)
+        if reach < reached <= reach * (1.0 + stage.go_on_within):  # a near miss: go on
+            stay, rank_of = self._refine(
+                problem,
+                stay,
+                int(budget * stage.go_on_share),
+                stop_at=stop,
+                rounds=stage.search.rounds(problem),
+                knapsack=False,
             )
-            for f in finalists
-        ]
-        scores = [score(lay.flat, lay.sizes) for lay in layouts]
-        best = min(scores)
-        if problem.objective is makespan and n <= _STAY_MAX_SAMPLES:
-            chosen = layouts[scores.index(best)]
-            rank_of = problem._rank_of_flat(chosen.flat, chosen.sizes)
-            target = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
-            stay, stay_rank_of = self._refine(
-                problem, source, first, stop_at=target, rounds=_STAY_ROUNDS
-            )
-            reached = _score_of(problem, stay_rank_of)
-            if best < reached <= best * (1.0 + _STAY_CLOSE):  # a near miss: go on
-                stay, stay_rank_of = self._refine(
-                    problem,
-                    stay,
-                    int(first * _STAY_MORE),
-                    stop_at=target,
-                    rounds=_STAY_ROUNDS,
-                    knapsack=False,
-                )
-                reached = _score_of(problem, stay_rank_of)
-            if reached <= best and _budgets_hold(problem, stay):
-                settled = FlatLayout(
-                    *settle(problem, stay.flat, stay.sizes, home, score=score, order=order),
-                    settled=True,
-                )
-                layouts.insert(0, settled)
-                scores.insert(0, score(settled.flat, settled.sizes))
-                best = min(scores)
-        home_rank = home // problem.bins_per_rank
-
-        def moved(flat: np.ndarray, sizes: np.ndarray) -> int:
-            return int(np.count_nonzero(problem._rank_of_flat(flat, sizes) != home_rank))
-
-        pick, fewest = 0, -1
-        for k, lay in enumerate(layouts):
-            if scores[k] > best:
-                continue
-            count = moved(lay.flat, lay.sizes)
-            if fewest < 0 or count < fewest:
-                pick, fewest = k, count
-        # The winner, settled again with a wider homecoming: every rank stays at or below its
-        # makespan, so the choice above and its score stand, and only movement can fall.
-        chosen = layouts[pick]
-        final = settle(
-            problem, chosen.flat, chosen.sizes, home, score=score, order=order, thorough=True
-        )
-        wider = _stay_budget(problem)
-        if problem.objective is not makespan or n > _STAY_MAX_SAMPLES or wider <= first:
-            return FlatLayout(*final, settled=True)
-        # Ranks with few samples (long documents): the search above often stops short of the
-        # best score within its attempts. A second one from the source, with attempts sized
-        # to the step's work, aims at the final layout's score; settled the same way, it
-        # replaces that layout when it scores no higher and moves fewer samples.
-        target = score(*final)
-        stay, stay_rank_of = self._refine(
-            problem, source, wider, stop_at=target, rounds=_STAY_ROUNDS, knapsack=False
-        )
-        if _score_of(problem, stay_rank_of) <= target and _budgets_hold(problem, stay):
-            cheap = settle(problem, stay.flat, stay.sizes, home, score=score, order=order)
-            again = settle(problem, *cheap, home, score=score, order=order, thorough=True)
-            if score(*again) <= target and moved(*again) < moved(*final):
-                final = again
-        return FlatLayout(*final, settled=True)
+            reached = _score_of(problem, rank_of)
+        if reached <= reach and _budgets_hold(problem, stay):
+            return stay
+        return None
 
     def _refine(
         self,
@@ -322,18 +297,18 @@ class RefineAlgorithm:
     ) -> tuple[FlatLayout, np.ndarray]:
         """The first search phase, then the second one (``polish.py``) and the first again
         while the second finds changes (at most ``rounds`` times, default
-        ``_POLISH_ROUNDS``). ``stop_at``: a load at or below which the most loaded rank is
+        ``schedule.polish_rounds``). ``stop_at``: a load at or below which the most loaded rank is
         good enough (default: near the bound). ``knapsack``: whether the second phase may
         spend its knapsack allowance on subset exchanges (one bin per rank only)."""
         layout, rank_of = self._search(problem, origin, budget, stop_at=stop_at)
         if problem.constraints.budgets:
             return layout, rank_of
         # The allowance is per round: two rounds spend it all, later ones as much again.
-        cells = polish_cells(problem) // _POLISH_ROUNDS if knapsack else 0
+        cells = schedule.knapsack_cells(problem) // schedule.POLISH_ROUNDS if knapsack else 0
         # Partners come from the whole group, so the attempts scale with it too.
         attempts = max(budget, problem.num_ranks // 2)
         if not rounds:
-            rounds = _polish_rounds(problem)
+            rounds = schedule.polish_rounds(problem)
         for _ in range(rounds):
             polished, _, changes = self._polish(problem, layout, attempts, cells, stop_at=stop_at)
             if changes == 0:
@@ -372,50 +347,6 @@ class RefineAlgorithm:
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:
     """``problem.score`` of the layout whose samples go to ranks ``rank_of``."""
     return float(problem.objective(problem.rank_costs_of(rank_of)))
-
-
-def _default_budget(problem: BalanceProblem) -> int:
-    """Improvement attempts allowed: proportional to the step (its samples, or its ranks
-    where they hold few samples), within fixed bounds.
-
-    An attempt's work grows with the samples of the ranks it examines, so attempts
-    proportional to the step keep the search a bounded share of the plan (measured with
-    ``evenflow bench planner``). Counting attempts rather than reading a clock keeps plans a
-    pure function of the step: every rank must stop at the same attempt.
-    """
-    if problem.num_samples <= _MULTI_START_SAMPLES:
-        return 256  # tiny problems: search to convergence
-    attempts = max(
-        problem.num_samples // _SAMPLES_PER_ATTEMPT, problem.num_ranks // _RANKS_PER_ATTEMPT
-    )
-    return min(max(attempts, _MIN_BUDGET), _MAX_BUDGET)
-
-
-def _polish_rounds(problem: BalanceProblem) -> int:
-    """Alternations of the two search phases: ``_POLISH_ROUNDS`` plus one per
-    ``_RANKS_PER_ROUND`` ranks, at most ``_MAX_POLISH_ROUNDS``; one past
-    ``_STAY_MAX_SAMPLES`` samples."""
-    if problem.num_samples > _STAY_MAX_SAMPLES:
-        return 1
-    return min(_POLISH_ROUNDS + problem.num_ranks // _RANKS_PER_ROUND, _MAX_POLISH_ROUNDS)
-
-
-def _stay_first(num_samples: int, num_ranks: int) -> int:
-    """Attempts of the search from the source: ``_STAY_ATTEMPTS`` plus one per
-    ``_STAY_SAMPLES_PER_ATTEMPT`` samples and one per ``_STAY_RANKS_PER_ATTEMPT`` ranks."""
-    return (
-        _STAY_ATTEMPTS
-        + num_samples // _STAY_SAMPLES_PER_ATTEMPT
-        + num_ranks // _STAY_RANKS_PER_ATTEMPT
-    )
-
-
-def _stay_budget(problem: BalanceProblem) -> int:
-    """Attempts of the second search from the source (``_STAY_WORK`` over the samples per
-    rank, at most ``_STAY_WIDEST``), or 0 where ranks hold more than ``_STAY_FEW`` samples
-    and it does not run."""
-    per_rank = max(1, problem.num_samples // max(1, problem.num_ranks))
-    return min(_STAY_WORK // per_rank, _STAY_WIDEST) if per_rank <= _STAY_FEW else 0
 
 
 def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:

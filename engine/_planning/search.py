@@ -14,11 +14,10 @@ import numpy as np
 from evenflow.engine._planning import native
 from evenflow.engine._planning.objectives import balance
 from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
+from evenflow.engine._planning.schedule import NEAR_OPTIMAL
 
-__all__ = ["NEAR_OPTIMAL", "search", "search_state"]
+__all__ = ["search", "search_state"]
 
-# Makespan search stops once the most loaded rank is this close to the lower bound.
-NEAR_OPTIMAL = 2e-4
 # Below this many bins per rank the core builds the search state: numpy sums a rank's bins one
 # after the other up to seven of them and pairwise from eight, which the core does not copy.
 _COMPILED_STATE_BINS = 8
@@ -77,7 +76,7 @@ def good_enough(problem: BalanceProblem, load: np.ndarray) -> float:
     """The makespan below which searching further is not worth the planning time.
 
     No layout beats the larger of the mean rank load and the costliest sample; within
-    :data:`NEAR_OPTIMAL` of it the remaining gain is small.
+    ``schedule.NEAR_OPTIMAL`` of it the remaining gain is small.
     """
     bound = max(float(load.sum()) / problem.num_ranks, float(problem.costs.max(initial=0.0)))
     return bound * (1.0 + NEAR_OPTIMAL)

@@ -7,7 +7,8 @@ that keeps every rank at or below the plan's makespan. The planner settles every
 candidate this way (:func:`settle`), so exchange traffic pays only for balance. The work runs
 in the compiled core (``_settle.c``: an exact assignment up to 128 ranks, a greedy one above,
 then homecoming passes); the makespan is re-checked here and a homecoming that would raise it
-by rounding is dropped.
+by rounding is dropped. ``tests/oracles/settle.py`` specifies the core's settle in plain Python,
+and tests hold the two to identical layouts.
 
 Why an exact assignment only up to 128 ranks: the Hungarian method is O(R^3), ~2 ms at 128
 ranks and ~1 s at 1,024. Above, overlaps are sparse (a rank's samples come from a few source
@@ -22,6 +23,7 @@ planner reports samples moved. Settling is a pure function of the step, like the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -30,7 +32,7 @@ from evenflow.engine._planning import native
 from evenflow.engine._planning.objectives import lockstep, makespan
 from evenflow.engine._planning.problem import BalanceProblem
 
-__all__ = ["home_bins", "settle"]
+__all__ = ["Settler", "home_bins", "settle"]
 
 # Homecoming keeps every rank at or below the makespan less this relative margin: the core
 # adds loads in another order than the planner's scoring does.
@@ -84,3 +86,58 @@ def settle(
     if homecoming and score is not None and score(*out) > score(flat, sizes):
         out = native.settle(problem, flat, sizes, home, weights=w, limit=-1.0)
     return out
+
+
+class Settler:
+    """The settles of one step: every layout of ``problem`` settled towards one source layout.
+
+    ``score(flat, sizes)`` is the objective a settle must not raise (default: the problem's
+    objective of the rank costs); the cost order homecoming scans is sorted once, on the first
+    settle, and shared by the rest.
+    """
+
+    def __init__(
+        self,
+        problem: BalanceProblem,
+        source_flat: np.ndarray,
+        source_sizes: np.ndarray,
+        score: Callable[[np.ndarray, np.ndarray], float] | None = None,
+    ) -> None:
+        self.problem = problem
+        self.home = home_bins(source_flat, source_sizes, problem.num_samples)
+        self.home_rank = self.home // problem.bins_per_rank
+        self.score = self._objective if score is None else score
+        self._order: np.ndarray | None = None
+
+    def _objective(self, flat: np.ndarray, sizes: np.ndarray) -> float:
+        problem = self.problem
+        return float(problem.objective(problem.rank_costs_of(problem._rank_of_flat(flat, sizes))))
+
+    def _settle(
+        self, flat: np.ndarray, sizes: np.ndarray, *, thorough: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if self._order is None:
+            self._order = native.cost_order(self.problem)
+        return settle(
+            self.problem,
+            flat,
+            sizes,
+            self.home,
+            score=self.score,
+            order=self._order,
+            thorough=thorough,
+        )
+
+    def plain(self, flat: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Relabelled and, where the objective allows, samples brought home (four passes of
+        eight swap partners a sample): what finalists are compared by."""
+        return self._settle(flat, sizes, thorough=False)
+
+    def thorough(self, flat: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The wider settle of a layout already settled plainly (:func:`settle`'s
+        ``thorough``): keeps its score and moves no more."""
+        return self._settle(flat, sizes, thorough=True)
+
+    def moved(self, flat: np.ndarray, sizes: np.ndarray) -> int:
+        """Samples of the layout away from their source rank."""
+        return int(np.count_nonzero(self.problem._rank_of_flat(flat, sizes) != self.home_rank))

@@ -52,17 +52,12 @@ from evenflow.engine._planning.grouped import (
 )
 from evenflow.engine._planning.lockstep import order_bins, search_budget
 from evenflow.engine._planning.objectives import lockstep
-from evenflow.engine._planning.planner import Planner, _canonical_order
+from evenflow.engine._planning.planner import PlannedStep, Planner, _canonical_order
+from evenflow.engine._planning.schedule import WINDOW_PASSES
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import ConfigError
 
-__all__ = ["WINDOW_PASSES", "WindowPlan", "plan_window"]
-
-# Passes of the grouped search over a window's groups. Most of a window's gain comes from the
-# joint balance and the sorted grouping: on longctx at 8 ranks x 2 bins, W = 4 removes 98% of
-# W = 1's excess without a search and 109% after two passes, while ~30 passes cost 5-10x the
-# planning time of W = 1 for another 1-3% (``evenflow bench planner --window``).
-WINDOW_PASSES = 2
+__all__ = ["WindowPlan", "plan_window"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,8 +119,7 @@ def plan_window(planner: Planner, columns: Sequence[StepColumns], first_step: in
             f"window), but got {columns!r:.80}."
         )
     if len(columns) == 1:
-        plan = planner.plan_arrays(columns[0], first_step)
-        return _single(planner, plan, first_step)
+        return _single(planner, planner.plan_step(columns[0], first_step), first_step)
     if planner.objective_name not in ("makespan", "lockstep"):
         raise ConfigError(
             f"A balance window of {len(columns)} steps needs objective 'makespan' or "
@@ -136,11 +130,9 @@ def plan_window(planner: Planner, columns: Sequence[StepColumns], first_step: in
     return _Window(planner, columns, first_step, per_step).plan()
 
 
-def _single(planner: Planner, plan: Plan, step: int) -> WindowPlan:
+def _single(planner: Planner, planned: PlannedStep, step: int) -> WindowPlan:
     """A window of one step: the per-step plan and its statistics."""
-    state = planner._last_layout
-    assert state is not None
-    problem = state[0]
+    plan, problem = planned.plan, planned.problem
     costs, tokens = np.asarray(problem.costs), np.asarray(problem.tokens)
     bound = _step_bound(planner, plan, costs, tokens)
     return WindowPlan(
@@ -259,10 +251,8 @@ class _Window:
             oversized_policy=planner.constraints.oversized_policy,
             packing_budgets=dict(planner.constraints.budgets) or None,
         )
-        self.units.plan_arrays(self.merged, first_step)
-        state = self.units._last_layout
-        assert state is not None
-        self.problem, self.unit_flat, self.unit_sizes = state
+        units = self.units.plan_step(self.merged, first_step)
+        self.problem, self.unit_flat, self.unit_sizes = units.problem, units.flat, units.sizes
         # Canonical index -> merged row, to find each sample's read step and home rank.
         self.fields, order, _ = _canonical_order(self.merged, first_step)
         self.read = read_rows[order]

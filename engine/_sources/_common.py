@@ -9,8 +9,17 @@ from typing import Any, Literal, NamedTuple
 
 from evenflow.engine._model import SampleMetadata
 from evenflow.engine._validate import check_choice
+from evenflow.engine.errors import ConfigError
 
-__all__ = ["OVERSIZED", "IndexedSample", "LengthMemo", "Oversized", "SourceReport"]
+__all__ = [
+    "LOADER_FIELDS",
+    "OVERSIZED",
+    "IndexedSample",
+    "LengthMemo",
+    "LoaderBinding",
+    "Oversized",
+    "SourceReport",
+]
 
 Oversized = Literal["error", "single", "drop"]
 OVERSIZED: tuple[str, ...] = ("error", "single", "drop")
@@ -98,3 +107,73 @@ class LengthMemo:
         if self._features_fn is None:
             return SampleMetadata(tokens=tokens)
         return SampleMetadata(tokens=tokens, features=self._features_fn(sample))
+
+
+#: What a loader tells its step source (``bind_loader``): the step shape from its
+#: ``LoaderConfig`` and this rank's place among the data-parallel ranks from its group.
+LOADER_FIELDS = ("seq_len", "bins_per_rank", "rank", "num_ranks")
+
+_WHERE = {
+    "seq_len": "LoaderConfig(seq_len={value})",
+    "bins_per_rank": "LoaderConfig(bins_per_rank={value})",
+    "rank": "this rank's place in the loader's group (rank={value})",
+    "num_ranks": "the loader's group of {value} data-parallel rank(s) (num_ranks={value})",
+}
+
+
+class LoaderBinding:
+    """The values a step source shares with its loader, given once.
+
+    A source may be built with ``seq_len``, ``bins_per_rank`` (and, for a ``DatasetSource``,
+    ``rank`` / ``num_ranks``) or without them; the loader that reads it calls
+    :meth:`bind` with its own. A missing value is taken from the loader; an explicit value
+    that differs is refused with an error naming both values and the fix, because either
+    silently changes what trains (a wrong ``num_ranks`` trains a fraction of the data, a
+    wrong ``rank`` trains one shard twice, a smaller ``seq_len`` gives half-full steps).
+    """
+
+    def __init__(self, owner: str, **explicit: int | None) -> None:
+        self._owner = owner
+        self._explicit = explicit
+        self.values: dict[str, int | None] = dict(explicit)
+        self.refusal: ConfigError | None = None
+        self.bound = False
+
+    def bind(self, **given: int | None) -> ConfigError | None:
+        """Take the loader's values (``None``: the loader does not know it); return (and
+        remember) the refusal when they disagree."""
+        loader = {name: value for name, value in given.items() if value is not None}
+        wrong = [
+            (name, mine, loader[name])
+            for name, mine in self.values.items()
+            if name in loader and mine is not None and mine != loader[name]
+        ]
+        if wrong:
+            parts = [
+                f"{self._owner}({name}={mine}) disagrees with " + _WHERE[name].format(value=theirs)
+                for name, mine, theirs in wrong
+            ]
+            names = ", ".join(f"{name}=" for name, _, _ in wrong)
+            self.refusal = ConfigError(
+                "; ".join(parts) + f". Drop {names} from the {self._owner} (the loader sets it) "
+                "or make the values agree: a wrong value silently changes what trains."
+            )
+            return self.refusal
+        for name, value in loader.items():
+            if name in self.values:
+                self.values[name] = value
+        self.bound = True
+        return None
+
+    def require(self, name: str) -> int:
+        """The value of ``name``, or a ConfigError saying how to give it."""
+        if self.refusal is not None:
+            raise self.refusal
+        value = self.values[name]
+        if value is None:
+            raise ConfigError(
+                f"This {self._owner} has no {name}: pass {name}= to it, or give it to a "
+                "BalancedLoader or build_loader, which set seq_len, bins_per_rank, rank and "
+                "num_ranks from the loader's config and process group."
+            )
+        return value

@@ -16,13 +16,15 @@ Where the lengths come from, in order of preference:
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from evenflow.engine._model import MAX_TOKENS
 from evenflow.engine.errors import ConfigError
+from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["default_length", "fingerprint", "is_hf_dataset", "read_lengths"]
 
@@ -33,9 +35,16 @@ def is_hf_dataset(dataset: Any) -> bool:
 
 
 def default_length(sample: Any) -> int:
-    """Token count of a sample: ``len(sample["input_ids"])`` for mappings, else ``len(sample)``."""
-    if isinstance(sample, dict) and "input_ids" in sample:
-        return len(sample["input_ids"])
+    """Token count of a sample: ``len(sample["input_ids"])`` for mappings, else ``len(sample)``.
+    A mapping without ``input_ids`` is refused (``len`` would count its keys)."""
+    if isinstance(sample, Mapping):
+        if "input_ids" in sample:
+            return len(sample["input_ids"])
+        raise ConfigError(
+            f"Cannot measure a sample with keys {sorted(map(str, sample))[:8]}: the default "
+            "length is len(sample['input_ids']). Pass length_column= (the column holding "
+            "token ids or counts), length_fn= or lengths=, or tokenize into 'input_ids' first."
+        )
     try:
         return len(sample)
     except TypeError:
@@ -83,11 +92,26 @@ def read_lengths(
             array = _measure(dataset, size, lambda s: _column_length(s[column]), "length_column")
     elif is_hf_dataset(dataset) and "input_ids" in dataset.column_names:
         array = _hf_column(dataset, "input_ids")
+    elif is_hf_dataset(dataset):
+        raise ConfigError(
+            f"The dataset has no 'input_ids' column (its columns are {dataset.column_names}), "
+            "so its samples' token counts are unknown. Pass length_column= naming the column "
+            "of token ids or counts (e.g. length_column='tokens'), length_fn= or lengths=, "
+            "or tokenize into 'input_ids' first (dataset.map)."
+        )
     else:
         array = _measure(dataset, size, default_length, "the default length (len of input_ids)")
     if array.shape != (size,):
         raise ConfigError(
             f"lengths must hold one length per dataset index ({size}), but has shape {array.shape}."
+        )
+    huge = np.flatnonzero(array > MAX_TOKENS)
+    if huge.size:
+        i = int(huge[0])
+        raise ConfigError(
+            f"Dataset index {i} has length {int(array[i])} ({huge.size} such samples), more than "
+            f"the {MAX_TOKENS} tokens any sample may hold; check the length column or "
+            f"length_fn, starting with index {i}."
         )
     bad = np.flatnonzero(array < 1)
     if bad.size:
@@ -136,7 +160,11 @@ def _hf_column(dataset: Any, column: str) -> npt.NDArray[np.int64]:
 def _measure(dataset: Any, size: int, fn: Callable[[Any], Any], what: str) -> npt.NDArray[np.int64]:
     out = np.empty(size, dtype=np.int64)
     for i in range(size):
-        value = fn(dataset[i])
+        try:
+            value = fn(dataset[i])
+        except Exception as exc:
+            exc.add_note(f"{NOTE_PREFIX}raised measuring dataset index {i} ({what}).")
+            raise
         if isinstance(value, np.integer):
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int):

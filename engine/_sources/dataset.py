@@ -30,6 +30,7 @@ from evenflow.engine._model import SampleMetadata
 from evenflow.engine._sources._common import (
     IndexedSample,
     LengthMemo,
+    LoaderBinding,
     SourceReport,
     check_oversized,
 )
@@ -38,6 +39,7 @@ from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
+from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["DatasetSource"]
 
@@ -93,8 +95,8 @@ class DatasetSource:
         self,
         dataset: Any,
         *,
-        seq_len: int,
-        bins_per_rank: int,
+        seq_len: int | None = None,
+        bins_per_rank: int | None = None,
         rank: int | None = None,
         num_ranks: int | None = None,
         lengths: Sequence[int] | npt.NDArray[np.integer[Any]] | None = None,
@@ -115,12 +117,22 @@ class DatasetSource:
                 f"dataset must be map-style (with __len__ and __getitem__), but got "
                 f"{type(dataset).__name__}; wrap an iterable in IterableSource instead."
             )
-        # The packer validates seq_len, bins_per_rank, packer and buffer_tokens.
+        # The packer validates seq_len, bins_per_rank, packer and buffer_tokens (with stand-in
+        # values for what the loader will give).
         StepPacker(
-            seq_len=seq_len, bins_per_rank=bins_per_rank, packer=packer, buffer_tokens=buffer_tokens
+            seq_len=1 if seq_len is None else seq_len,
+            bins_per_rank=1 if bins_per_rank is None else bins_per_rank,
+            packer=packer,
+            buffer_tokens=buffer_tokens,
         )
-        self._rank, self._num_ranks = _resolve_ranks(rank, num_ranks)
-        self._seq_len, self._bins_per_rank = seq_len, bins_per_rank
+        _check_ranks(rank, num_ranks)
+        self._binding = LoaderBinding(
+            "DatasetSource",
+            seq_len=seq_len,
+            bins_per_rank=bins_per_rank,
+            rank=rank,
+            num_ranks=num_ranks,
+        )
         self._packer, self._buffer_tokens = packer, buffer_tokens
         self._shuffle = check_bool("shuffle", shuffle)
         self._seed = check_int("seed", seed, minimum=0)
@@ -144,6 +156,37 @@ class DatasetSource:
         )
         self._lengths.flags.writeable = False
         self._fingerprint = fingerprint(self._lengths)
+        self._eligible: npt.NDArray[np.int64] | None = None
+        measure = length_fn if length_fn is not None else default_length
+        if length_column is not None:
+            measure = _column_measure(length_column)
+        self._memo = LengthMemo(measure, features_fn)
+        self._epoch = 0
+        self._step = 0  # steps yielded in the current epoch
+        self._start = 0  # where the next iter() starts (set by load_state_dict)
+        self._dealing: Dealing | None = None  # set by an elastic restore, for its epoch only
+        self._plan: _Epoch | None = None
+        self._last_read: npt.NDArray[np.int64] | None = None
+        if seq_len is not None:
+            self._check_lengths(seq_len)  # as early as possible
+
+    # -- the loader's values -------------------------------------------------------------
+
+    def bind_loader(
+        self, *, seq_len: int, bins_per_rank: int, rank: int | None, num_ranks: int | None
+    ) -> ConfigError | None:
+        """Called by the loader that reads this source: its ``seq_len`` and ``bins_per_rank``
+        and this rank's place among the data-parallel ranks. Values given to the source that
+        disagree are refused: the error is returned, and raised by every later use."""
+        refusal = self._binding.bind(
+            seq_len=seq_len, bins_per_rank=bins_per_rank, rank=rank, num_ranks=num_ranks
+        )
+        if refusal is None:
+            self._check_lengths(seq_len)
+            self._plan = None
+        return refusal
+
+    def _check_lengths(self, seq_len: int) -> None:
         oversized_at = np.flatnonzero(self._lengths > seq_len)
         if oversized_at.size and self._oversized == "error":
             i = int(oversized_at[0])
@@ -157,15 +200,31 @@ class DatasetSource:
         self._eligible = (
             np.arange(len(self._lengths), dtype=np.int64) if keep is None else np.flatnonzero(keep)
         )
-        measure = length_fn if length_fn is not None else default_length
-        if length_column is not None:
-            measure = _column_measure(length_column)
-        self._memo = LengthMemo(measure, features_fn)
-        self._epoch = 0
-        self._step = 0  # steps yielded in the current epoch
-        self._start = 0  # where the next iter() starts (set by load_state_dict)
-        self._dealing: Dealing | None = None  # set by an elastic restore, for its epoch only
-        self._plan: _Epoch | None = None
+
+    @property
+    def _seq_len(self) -> int:
+        return self._binding.require("seq_len")
+
+    @property
+    def _bins_per_rank(self) -> int:
+        return self._binding.require("bins_per_rank")
+
+    @property
+    def _rank(self) -> int:
+        return self._ranks()[0]
+
+    @property
+    def _num_ranks(self) -> int:
+        return self._ranks()[1]
+
+    def _ranks(self) -> tuple[int, int]:
+        binding = self._binding
+        if binding.refusal is not None:
+            raise binding.refusal
+        rank, num_ranks = binding.values["rank"], binding.values["num_ranks"]
+        if rank is None or num_ranks is None:
+            return _resolve_ranks(None, None)
+        return rank, num_ranks
 
     # -- what every rank can compute -----------------------------------------------------
 
@@ -243,11 +302,34 @@ class DatasetSource:
         return [plan.order[positions] for positions in plan.packed.step(unit)]
 
     def read(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it)."""
+        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it).
+
+        An error the dataset raises keeps its type and message and gains a note naming the
+        dataset index (or, for one ``__getitems__`` call, the indices) it was reading."""
         getitems = getattr(self._dataset, "__getitems__", None)
+        wanted = list(indices)
         if callable(getitems):
-            return list(getitems(list(indices)))
-        return [self._dataset[i] for i in indices]
+            try:
+                return list(getitems(wanted))
+            except BaseException as exc:
+                shown = ", ".join(map(str, wanted[:16])) + (", ..." if len(wanted) > 16 else "")
+                exc.add_note(
+                    f"{NOTE_PREFIX}raised by dataset.__getitems__ for dataset indices [{shown}]."
+                )
+                raise
+        out = []
+        for i in wanted:
+            try:
+                out.append(self._dataset[i])
+            except BaseException as exc:
+                exc.add_note(f"{NOTE_PREFIX}raised reading dataset index {i} (dataset[{i}]).")
+                raise
+        return out
+
+    def last_read_indices(self) -> npt.NDArray[np.int64] | None:
+        """The dataset indices of the step the iterator yielded last, in sample order (the
+        loader sends them with the step's metadata, so errors name samples by index)."""
+        return self._last_read
 
     def metadata_fn(self, sample: Any) -> SampleMetadata:
         """The ``metadata_fn`` for a ``BalancedLoader`` over this source: the token count the
@@ -260,6 +342,8 @@ class DatasetSource:
         """The current epoch's steps for this rank, from step 0 — or from the position
         :meth:`load_state_dict` restored. Iterating again replays the epoch; call
         :meth:`set_epoch` for the next one."""
+        if self._binding.refusal is not None:
+            raise self._binding.refusal
         plan = self._epoch_plan()
         if plan.num_steps == 0:
             raise ConfigError(
@@ -277,6 +361,7 @@ class DatasetSource:
             bins = self.step_indices(step)
             sizes = [len(b) for b in bins]
             flat = np.concatenate(bins)
+            self._last_read = flat
             tokens = self._lengths[flat].tolist()
             if self._yield_indices:
                 items: list[Any] = [
@@ -382,7 +467,10 @@ class DatasetSource:
         if plan is not None and plan.epoch == self._epoch and plan.dealing == dealing:
             return plan
         epoch = self._epoch
+        if self._eligible is None:
+            self._check_lengths(self._seq_len)
         order = self._eligible
+        assert order is not None
         if self._shuffle:
             rng = np.random.default_rng([self._seed, epoch])
             order = order[rng.permutation(order.size)]
@@ -409,9 +497,10 @@ class DatasetSource:
         return plan
 
     def __repr__(self) -> str:
+        values = self._binding.values
         return (
-            f"<DatasetSource {len(self._lengths)} samples rank={self._rank}/{self._num_ranks} "
-            f"epoch={self._epoch} step={self._step}>"
+            f"<DatasetSource {len(self._lengths)} samples rank={values['rank']}/"
+            f"{values['num_ranks']} epoch={self._epoch} step={self._step}>"
         )
 
 
@@ -423,17 +512,9 @@ def _column_measure(column: str) -> Callable[[Any], int]:
     return measure
 
 
-def _resolve_ranks(rank: int | None, num_ranks: int | None) -> tuple[int, int]:
+def _check_ranks(rank: int | None, num_ranks: int | None) -> None:
     if rank is None and num_ranks is None:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            raise ConfigError(
-                "torch.distributed is initialised, so pass rank= and num_ranks= explicitly: "
-                "this rank's data-parallel rank and the data-parallel size (under tensor or "
-                "pipeline parallelism they differ from the global rank and the world size)."
-            )
-        return 0, 1
+        return
     if rank is None or num_ranks is None:
         raise ConfigError(
             f"Pass both rank and num_ranks (or neither), but got rank={rank!r}, "
@@ -443,4 +524,21 @@ def _resolve_ranks(rank: int | None, num_ranks: int | None) -> tuple[int, int]:
     check_int("rank", rank, minimum=0)
     if rank >= num_ranks:
         raise ConfigError(f"rank must be < num_ranks={num_ranks}, but got rank={rank}.")
-    return rank, num_ranks
+
+
+def _resolve_ranks(rank: int | None, num_ranks: int | None) -> tuple[int, int]:
+    """Ranks of a source no loader has bound: explicit, or one rank without a world."""
+    _check_ranks(rank, num_ranks)
+    if rank is not None and num_ranks is not None:
+        return rank, num_ranks
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ConfigError(
+            "torch.distributed is initialised and no loader has bound this DatasetSource, so "
+            "its rank and num_ranks are unknown: give it to build_loader / BalancedLoader "
+            "(which set them from the loader's group), or pass rank= and num_ranks= (this "
+            "rank's data-parallel rank and the data-parallel size; under tensor or pipeline "
+            "parallelism they differ from the global rank and the world size)."
+        )
+    return 0, 1

@@ -29,7 +29,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from evenflow.engine._model import SampleMetadata
-from evenflow.engine._sources._common import LengthMemo, SourceReport, check_oversized
+from evenflow.engine._sources._common import (
+    LengthMemo,
+    LoaderBinding,
+    SourceReport,
+    check_oversized,
+)
 from evenflow.engine._sources._lengths import default_length
 from evenflow.engine._sources.packing import Item, StepPacker
 from evenflow.engine._validate import check_bool, check_int
@@ -125,8 +130,8 @@ class IterableSource:
         self,
         samples: Any,
         *,
-        seq_len: int,
-        bins_per_rank: int,
+        seq_len: int | None = None,
+        bins_per_rank: int | None = None,
         length_fn: Callable[[Any], int] | None = None,
         packer: str = "first_fit",
         buffer_tokens: int | None = None,
@@ -136,10 +141,15 @@ class IterableSource:
     ) -> None:
         self._kind, self._takes_epoch = _classify(samples)
         StepPacker(
-            seq_len=seq_len, bins_per_rank=bins_per_rank, packer=packer, buffer_tokens=buffer_tokens
+            seq_len=1 if seq_len is None else seq_len,
+            bins_per_rank=1 if bins_per_rank is None else bins_per_rank,
+            packer=packer,
+            buffer_tokens=buffer_tokens,
         )
         self._samples = samples
-        self._seq_len, self._bins_per_rank = seq_len, bins_per_rank
+        self._binding = LoaderBinding(
+            "IterableSource", seq_len=seq_len, bins_per_rank=bins_per_rank
+        )
         self._packer, self._buffer_tokens = packer, buffer_tokens
         self._oversized = check_oversized(oversized)
         self._batched = check_bool("batched", batched)
@@ -162,6 +172,24 @@ class IterableSource:
         self._resume: dict[str, Any] | None = None
         self._live: tuple[StepPacker, _Stream] | None = None
         self._report: SourceReport | None = None
+
+    def bind_loader(
+        self, *, seq_len: int, bins_per_rank: int, rank: int | None, num_ranks: int | None
+    ) -> ConfigError | None:
+        """Called by the loader that reads this source: its ``seq_len`` and ``bins_per_rank``
+        (a stream is sharded by whoever makes it, so the ranks are not used). Values given to
+        the source that disagree are refused: the error is returned, and raised by every
+        later use."""
+        del rank, num_ranks
+        return self._binding.bind(seq_len=seq_len, bins_per_rank=bins_per_rank)
+
+    @property
+    def _seq_len(self) -> int:
+        return self._binding.require("seq_len")
+
+    @property
+    def _bins_per_rank(self) -> int:
+        return self._binding.require("bins_per_rank")
 
     @property
     def stateful(self) -> bool:
@@ -199,6 +227,8 @@ class IterableSource:
             forward(epoch)
 
     def __iter__(self) -> Iterator[list[list[Any]]]:
+        if self._binding.refusal is not None:
+            raise self._binding.refusal
         resume, self._resume = self._resume, None
         self._step = 0 if resume is None else int(resume["step"])
         self._live = None

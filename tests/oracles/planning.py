@@ -9,7 +9,8 @@ included. ``OracleRefine`` is the default algorithm with these kernels in place 
 compiled ones (same starts, same final choice).
 
 The search's tuning constants are read from the compiled module, where they are defined;
-the tolerance ``1e-12 * |top| + 1e-300`` is written out here and in ``improve`` in the C.
+the tolerance ``1e-12 * |top| + 1e-300`` is written out here and in ``attempt_tolerance``
+in ``_drive.h``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from evenflow.engine._planning import native
 from evenflow.engine._planning.objectives import balance
 from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
 from evenflow.engine._planning.refine import RefineAlgorithm
-from evenflow.engine._planning.search import NEAR_OPTIMAL
+from evenflow.engine._planning.schedule import NEAR_OPTIMAL
 
 __all__ = [
     "OracleRefine",
@@ -46,6 +47,20 @@ SUBSET_CANDIDATES: int = _core.SUBSET_CANDIDATES
 # Room of a bin holding a single sample: anything may join it when that sample leaves, since
 # a sample alone in its bin may be oversized.
 UNBOUNDED = np.iinfo(np.int64).max
+# The first phase's table (PHASE1 in _search.c): (family, partner set) in the order tried; the
+# first entry that finds a change applies it. Partner sets: the NEAR_TARGETS lightest ranks,
+# the next WIDE_TARGETS, every other lighter rank (see OracleSearch._improve).
+PHASE1 = (
+    ("move", "near"),
+    ("swap", "near"),
+    ("exchange", "near"),
+    ("shifted move", "near"),
+    ("shifted move", "wide"),
+    ("exchange", "wide"),
+    ("move", "far"),
+)
+# The second phase's table (PHASE2 in _polish.c).
+PHASE2 = ("group-wide move", "subset exchange")
 
 
 # ---------------------------------------------------------------------------- the greedy
@@ -430,6 +445,8 @@ class OracleSearch:
         self.load = self.bin_cost.reshape(problem.num_ranks, self.per_rank).sum(axis=1)
         self.sumsq_mode = problem.objective is balance
         self.slots = np.arange(self.per_rank, dtype=np.int64)
+        # Entries of PHASE1 in use (bit e for entry e), as the core's ``families``.
+        self.families = native.ALL_FAMILIES
         # Sample arrays of ranks whose bins did not change since they were built.
         self._rank_cache: dict[int, np.ndarray] = {}
         # The same samples by ascending (cost, index), for the swap windows.
@@ -483,28 +500,29 @@ class OracleSearch:
             return -1
         order = pool[np.lexsort((pool, load[pool]))]
         heavy = self._rank_samples(a)
-        near = order[:NEAR_TARGETS]
-        for family in (self._move, self._swap, self._exchange, self._cheap):
-            found = family(a, heavy, near, tol)
-            if found is not None:
-                return found()
-        if order.size > NEAR_TARGETS:
-            # Before giving up on ``a``: the cheap family, then exchanges, against a wider set.
-            wide = order[NEAR_TARGETS:]
-            for family in (self._cheap, self._exchange):
-                found = family(a, heavy, wide, tol)
-                if found is not None:
-                    return found()
+        partners = {"near": order[:NEAR_TARGETS], "wide": order[NEAR_TARGETS:]}
         if count - 1 > reach and order.size == reach:
-            # Last: moves and bin swaps with every other lighter rank, in rank order.
+            # Every other lighter rank, in rank order.
             outside = np.ones(count, dtype=bool)
             outside[order] = False
-            far = np.flatnonzero(outside & (load < top - tol))[: self.cost.size]
-            if far.size:
-                found = self._move(a, heavy, far, tol)
-                if found is not None:
-                    return found()
+            partners["far"] = np.flatnonzero(outside & (load < top - tol))[: self.cost.size]
+        else:
+            partners["far"] = order[:0]
+        for e, (name, partner_set) in enumerate(PHASE1):
+            targets = partners[partner_set]
+            if targets.size == 0 or not (self.families >> e) & 1:
+                continue
+            found = getattr(self, self._FAMILIES[name])(a, heavy, targets, tol)
+            if found is not None:
+                return found()
         return -1
+
+    _FAMILIES = {
+        "move": "_move",
+        "swap": "_swap",
+        "exchange": "_exchange",
+        "shifted move": "_cheap",
+    }
 
     def _rank_samples(self, r: int) -> np.ndarray:
         """Rank ``r``'s samples in bin order (read-only; cached until the rank changes)."""
@@ -934,6 +952,8 @@ class PolishOracle:
         self.load: list[float] = bin_cost.reshape(problem.num_ranks, self.per).sum(axis=1).tolist()
         self.cells_left = cells
         self.changes = 0
+        # Entries of PHASE2 in use (bit e for entry e), as the core's ``families``.
+        self.families = native.ALL_FAMILIES
 
     def rank_of(self) -> np.ndarray:
         ranks: np.ndarray = self.bin_of // self.per
@@ -961,12 +981,12 @@ class PolishOracle:
     def _improve(self, a: int) -> int:
         top = self.load[a]
         tol = 1e-12 * abs(top) + 1e-300
-        move = self._wide_move(a, tol)
+        move = self._wide_move(a, tol) if self.families & 1 else None
         if move is not None:
             i, y = move
             self._relocate(i, y)
             return y // self.per
-        exchange = self._subset_exchange(a, tol)
+        exchange = self._subset_exchange(a, tol) if (self.families >> 1) & 1 else None
         if exchange is not None:
             i, y, subset = exchange
             x = int(self.bin_of[i])
