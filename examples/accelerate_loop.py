@@ -19,7 +19,8 @@ The model is a tiny random-weight Llama built from a config and the data an in-m
     torchrun --standalone --nproc-per-node 2 examples/accelerate_loop.py
 
 Options: ``--epochs N`` (default 2), ``--save-at N`` (save the state after N optimizer steps,
-default 2, in the first epoch), ``--out DIR`` (default ./evenflow-accelerate), ``--resume``, ``--samples N``.
+default 2, in the first epoch), ``--out DIR`` (default ./evenflow-accelerate), ``--resume``,
+``--samples N``.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import torch.distributed as dist
 from accelerate import Accelerator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_training_loop import tiny_llama, tokenized_dataset  # noqa: E402
+from hf_training_loop import tiny_llama, tokenized_dataset
 
-from evenflow.engine.integrations.accelerate import prepare_loader  # noqa: E402
+from evenflow.engine.integrations.accelerate import prepare_loader
 
 SEQ_LEN = 128
 

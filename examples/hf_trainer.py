@@ -35,7 +35,7 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_training_loop import tiny_llama, tokenized_dataset  # noqa: E402
+from hf_training_loop import tiny_llama, tokenized_dataset
 
 SEQ_LEN = 128
 

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_training_loop import tiny_llama, tokenized_dataset  # noqa: E402
+from hf_training_loop import tiny_llama, tokenized_dataset
 
-from evenflow.engine.integrations.lightning import EvenflowDataModule  # noqa: E402
+from evenflow.engine.integrations.lightning import EvenflowDataModule
 
 SEQ_LEN = 128
 
@@ -91,8 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
 
     checkpoints = lightning.pytorch.callbacks.ModelCheckpoint(
-        dirpath=options.out, filename="{step}", every_n_train_steps=options.save_at,
-        save_top_k=-1, enable_version_counter=False,
+        dirpath=options.out,
+        filename="{step}",
+        every_n_train_steps=options.save_at,
+        save_top_k=-1,
+        enable_version_counter=False,
     )
     # ModelCheckpoint writes step=<N>.ckpt every --save-at steps; resume from the first.
     resume = os.path.join(options.out, f"step={options.save_at}.ckpt") if options.resume else None

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_training_loop import tiny_llama, tokenized_dataset  # noqa: E402
+from hf_training_loop import tiny_llama, tokenized_dataset
 
-from evenflow.engine import DatasetSource, LoaderConfig, build_loader  # noqa: E402
-from evenflow.engine.integrations.torchtitan import TitanLoader  # noqa: E402
+from evenflow.engine import DatasetSource, LoaderConfig, build_loader
+from evenflow.engine.integrations.torchtitan import TitanLoader
 
 SEQ_LEN = 128
 ACCUMULATION = 2
@@ -94,9 +94,12 @@ def main(argv: list[str] | None = None) -> int:
                 logits = ddp(
                     input_ids=inputs["input"], position_ids=inputs["positions"], use_cache=False
                 ).logits
-                loss = F.cross_entropy(
-                    logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-                ) / valid
+                loss = (
+                    F.cross_entropy(
+                        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+                    )
+                    / valid
+                )
                 (loss * world).backward()  # DDP averages over the ranks
             step_loss += loss.detach()
         optimizer.step()

@@ -260,8 +260,14 @@ def test_howto_block_is_the_examples_block(name: str) -> None:
 
 def _torchrun(name: str, *options: str) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(EXAMPLES / name), *options,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLES / name),
+        *options,
     ]
 
 
@@ -272,7 +278,12 @@ def _run_env(args: list[str], cwd: Path) -> str:
     env = {**os.environ, **_ADAPTER_ENV}
     try:
         done = subprocess.run(
-            args, cwd=cwd, capture_output=True, text=True, timeout=DEADLINE_S, check=False,
+            args,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+            check=False,
             env=env,
         )
     except subprocess.TimeoutExpired as exc:

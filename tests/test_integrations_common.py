@@ -56,8 +56,9 @@ def test_merge_packed_is_one_bin_of_all_the_samples() -> None:
 
 def test_a_step_is_cut_into_microbatches() -> None:
     with _loader() as loader:
-        view = LoaderView(loader, bins_per_microbatch=2, extra={"use_cache": False},
-                          with_num_items=True)
+        view = LoaderView(
+            loader, bins_per_microbatch=2, extra={"use_cache": False}, with_num_items=True
+        )
         assert view.microbatches_per_step == 2
         assert len(view) == 2 * len(loader)
         items = list(view)

@@ -35,9 +35,10 @@ pytest.importorskip(
     reason="transformers is not installed; install the test extra (pip install '.[test]')",
 )
 
-from evenflow.transports.launch import RankPool
 from testkit import frameworks as fw
 from testkit import hf_ranks, other_ranks
+
+from evenflow.transports.launch import RankPool
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,16 +48,20 @@ SAVE_AT = 5  # a checkpoint inside epoch 1 (4 steps per epoch)
 _ENV = {"OMP_NUM_THREADS": "1"}
 
 
+def _plan(balance: bool, save_at: int, resume: bool) -> dict[str, Any]:
+    return {"balance": balance, "epochs": EPOCHS, "save_at": save_at, "resume": resume}
+
+
 def _hf(kind: str) -> Callable[..., Any]:
     def run(pool: RankPool, out: str, balance: bool, save_at: int, resume: bool) -> Any:
-        return pool.run(hf_ranks.train, kind, out, balance, EPOCHS, -1, save_at, resume)
+        return pool.run(hf_ranks.train, kind, out, _plan(balance, save_at, resume))
 
     return run
 
 
 def _other(fn: Callable[..., Any]) -> Callable[..., Any]:
     def run(pool: RankPool, out: str, balance: bool, save_at: int, resume: bool) -> Any:
-        return pool.run(fn, out, balance, EPOCHS, save_at, resume)
+        return pool.run(fn, out, _plan(balance, save_at, resume))
 
     return run
 
@@ -156,8 +161,9 @@ def test_every_sample_once_per_epoch_on_one_rank(name: str, runs: Runs) -> None:
             trained += mine
         assert len(trained) == len(set(trained)), f"{name}: a sample trained twice in {epoch}"
         assert sorted(trained) == dealt, f"{name}: epoch {epoch} missed or added samples"
-        orders.append([i for s in on[0]["steps"] if s["epoch"] == epoch for mb in s["samples"]
-                       for i in mb])
+        orders.append(
+            [i for s in on[0]["steps"] if s["epoch"] == epoch for mb in s["samples"] for i in mb]
+        )
     assert orders[0] != orders[1]  # each epoch is its own pass (reshuffled)
 
 

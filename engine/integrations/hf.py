@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -42,6 +43,9 @@ from evenflow.engine.errors import ConfigError, ResumeError
 from evenflow.engine.integrations._common import LoaderView, make_loader
 
 __all__ = ["EvenflowTrainer", "EvenflowTrainerMixin", "with_evenflow"]
+
+#: transformers' own lookup of the newest ``checkpoint-<step>`` folder (typed here).
+_last_checkpoint: Callable[[str], str | None] = get_last_checkpoint
 
 #: The name of each rank's loader state inside a Trainer checkpoint folder.
 STATE_FILE = "evenflow-loader-rank{rank}.pt"
@@ -175,9 +179,7 @@ class EvenflowTrainerMixin:
             raise ValueError("The Trainer needs a train_dataset to train on.")
         self.close_evenflow()
         targs = trainer.args
-        config = dataclasses.replace(
-            self.evenflow_config, bins_per_rank=self._bins_per_step(targs)
-        )
+        config = dataclasses.replace(self.evenflow_config, bins_per_rank=self._bins_per_step(targs))
         kwargs = dict(self._evenflow_loader_kwargs)
         kwargs.setdefault("cost_model", _cost_model(trainer.model))
         user_callback = kwargs.pop("stats_callback", None)
@@ -232,10 +234,12 @@ class EvenflowTrainerMixin:
             )
         return batch_samples, torch.tensor(tokens.world, device=device)
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+    def train(
+        self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
         trainer: Any = self
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(trainer.args.output_dir)
+            resume_from_checkpoint = _last_checkpoint(trainer.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(
                     f"No valid checkpoint found in output directory ({trainer.args.output_dir})"
@@ -295,4 +299,3 @@ def with_evenflow(trainer_class: type) -> type:
 
 class EvenflowTrainer(EvenflowTrainerMixin, transformers.Trainer):
     """A ``transformers.Trainer`` that trains on balanced, packed steps (see the module)."""
-

@@ -117,7 +117,7 @@ class EvenflowDataModule(lightning.LightningDataModule):
                 loader,
                 bins_per_microbatch=self._per,
                 extra={"use_cache": False},
-            with_num_items=True,
+                with_num_items=True,
                 gather_group=state_group(config.timeout),
             )
         except BaseException:

@@ -8,6 +8,7 @@ are unique, so the samples a microbatch trains on are recovered from its packed 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 VOCAB = 128
@@ -52,7 +53,7 @@ def samples_of(microbatch: dict[str, Any], index: dict[tuple[int, ...], int]) ->
     """The dataset indices packed in one microbatch row."""
     ids = microbatch["input_ids"][0].tolist()
     cu = microbatch["cu_seq_lens_q"].tolist()
-    return [index[tuple(ids[a:b])] for a, b in zip(cu[:-1], cu[1:], strict=True)]
+    return [index[tuple(ids[a:b])] for a, b in itertools.pairwise(cu)]
 
 
 def model() -> Any:

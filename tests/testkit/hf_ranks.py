@@ -21,22 +21,17 @@ def _tokenizer() -> Any:
 
 
 def train(
-    rank: int,
-    num_ranks: int,
-    kind: str,
-    out_dir: str,
-    balance: bool,
-    epochs: int,
-    max_steps: int,
-    save_at: int,
-    resume: bool,
+    rank: int, num_ranks: int, kind: str, out_dir: str, run: dict[str, Any]
 ) -> dict[str, Any]:
     """Train with ``kind`` ("trainer" or "sft"); report per step what each rank trained.
 
     ``save_at`` > 0: save a checkpoint after that many optimizer steps (and go on, as the
     uninterrupted reference run that the resumed one is compared with).
-    ``resume``: resume from the last checkpoint in ``out_dir``.
+    ``resume``: resume from the last checkpoint in ``out_dir``. ``run``: ``balance``,
+    ``epochs``, ``save_at``, ``resume``.
     """
+    balance, epochs = bool(run["balance"]), int(run["epochs"])
+    save_at, resume = int(run["save_at"]), bool(run["resume"])
     import torch
     import transformers
 
@@ -102,7 +97,6 @@ def train(
         per_device_train_batch_size=1,
         gradient_accumulation_steps=2,
         num_train_epochs=epochs,
-        max_steps=max_steps,
         learning_rate=fw.LR,
         optim="sgd",
         lr_scheduler_type="constant",

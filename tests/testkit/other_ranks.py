@@ -19,6 +19,11 @@ from typing import Any
 from testkit import frameworks as fw
 
 
+def _unpack(run: dict[str, Any]) -> tuple[bool, int, int, bool]:
+    """``run``: balance (bool), epochs, save_at (0: never), resume (bool)."""
+    return bool(run["balance"]), int(run["epochs"]), int(run["save_at"]), bool(run["resume"])
+
+
 def _config(balance: bool) -> Any:
     from evenflow.engine import LoaderConfig
 
@@ -28,9 +33,9 @@ def _config(balance: bool) -> Any:
 
 
 def accelerate_train(
-    rank: int, num_ranks: int, out_dir: str, balance: bool, epochs: int, save_at: int,
-    resume: bool,
+    rank: int, num_ranks: int, out_dir: str, run: dict[str, Any]
 ) -> dict[str, Any]:
+    balance, epochs, save_at, resume = _unpack(run)
     import torch
     import torch.distributed as dist
     from accelerate import Accelerator
@@ -47,7 +52,10 @@ def accelerate_train(
     optimizer = torch.optim.SGD(model.parameters(), lr=fw.LR)
     model, optimizer = accelerator.prepare(model, optimizer)
     train = prepare_loader(
-        accelerator, data, seed=3, loader_config=_config(balance),
+        accelerator,
+        data,
+        seed=3,
+        loader_config=_config(balance),
         loader_kwargs={"cost_model": "quadratic"},
     )
     record["prepared_is_same"] = accelerator.prepare(train) is train
@@ -91,10 +99,8 @@ def accelerate_train(
     return record
 
 
-def lightning_train(
-    rank: int, num_ranks: int, out_dir: str, balance: bool, epochs: int, save_at: int,
-    resume: bool,
-) -> dict[str, Any]:
+def lightning_train(rank: int, num_ranks: int, out_dir: str, run: dict[str, Any]) -> dict[str, Any]:
+    balance, epochs, save_at, resume = _unpack(run)
     import lightning
     import torch
     import torch.distributed as dist
@@ -155,8 +161,11 @@ def lightning_train(
         # Lightning's own checkpointing, inside the run (as a run that is later killed).
         callbacks.append(
             lightning.pytorch.callbacks.ModelCheckpoint(
-                dirpath=folder, filename="resume", every_n_train_steps=save_at,
-                save_top_k=-1, enable_version_counter=False,
+                dirpath=folder,
+                filename="resume",
+                every_n_train_steps=save_at,
+                save_top_k=-1,
+                enable_version_counter=False,
             )
         )
     trainer = lightning.Trainer(
@@ -180,13 +189,11 @@ def lightning_train(
     return record
 
 
-def titan_train(
-    rank: int, num_ranks: int, out_dir: str, balance: bool, epochs: int, save_at: int,
-    resume: bool,
-) -> dict[str, Any]:
+def titan_train(rank: int, num_ranks: int, out_dir: str, run: dict[str, Any]) -> dict[str, Any]:
     """A torchtitan-style loop: pull 2 microbatches per step, count the valid labels and sum
     them over the ranks (as torchtitan's trainer does), divide the summed token loss by that,
     and checkpoint the loader with torch.distributed.checkpoint under its per-rank keys."""
+    balance, epochs, save_at, resume = _unpack(run)
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -201,7 +208,12 @@ def titan_train(
     record: dict[str, Any] = {"steps": [], "moved": [], "losses": []}
     config = _config(balance)
     source = DatasetSource(
-        data, seq_len=config.seq_len, bins_per_rank=2, rank=rank, num_ranks=num_ranks, seed=3,
+        data,
+        seq_len=config.seq_len,
+        bins_per_rank=2,
+        rank=rank,
+        num_ranks=num_ranks,
+        seed=3,
         shared=True,
     )
     loader = build_loader(source, config, cost_model="quadratic")
@@ -228,13 +240,19 @@ def titan_train(
             loss_sum = torch.zeros(())
             for i, (inputs, labels) in enumerate(micro):
                 sync = i == len(micro) - 1
-                with (ddp.no_sync() if not sync else _null()):
-                    logits = ddp(input_ids=inputs["input"], position_ids=inputs["positions"],
-                                 use_cache=False).logits
-                    loss = torch.nn.functional.cross_entropy(
-                        logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                        reduction="sum",
-                    ) / valid
+                with ddp.no_sync() if not sync else _null():
+                    logits = ddp(
+                        input_ids=inputs["input"], position_ids=inputs["positions"], use_cache=False
+                    ).logits
+                    loss = (
+                        torch.nn.functional.cross_entropy(
+                            logits.flatten(0, 1).float(),
+                            labels.flatten(),
+                            ignore_index=-100,
+                            reduction="sum",
+                        )
+                        / valid
+                    )
                     (loss * num_ranks).backward()
                 loss_sum += loss.detach()
             optimizer.step()
@@ -243,9 +261,16 @@ def titan_train(
             stats = loader.last_stats
             record["losses"].append(float(loss_sum))
             record["moved"].append(0 if stats is None else int(stats.num_moved))
-            rows = [{"input_ids": i["input"], "cu_seq_lens_q": _cu(i["positions"]),
-                     "labels": torch.cat([torch.full_like(l[:, :1], -100), l[:, :-1]], 1)}
-                    for i, l in micro]
+            # Back to the Hugging Face layout (labels unshifted, -100 first) to read the
+            # samples and count the labels as the other frameworks' records do.
+            rows = [
+                {
+                    "input_ids": inputs["input"],
+                    "cu_seq_lens_q": _cu(inputs["positions"]),
+                    "labels": torch.cat([torch.full_like(y[:, :1], -100), y[:, :-1]], 1),
+                }
+                for inputs, y in micro
+            ]
             record["steps"].append(
                 {
                     "epoch": titan.view.epoch,
@@ -257,8 +282,9 @@ def titan_train(
             )
             done += 1
             if save_at and done == save_at:
-                dcp.save({"dataloader": titan, "model": model.state_dict()},
-                         checkpoint_id=checkpoint)
+                dcp.save(
+                    {"dataloader": titan, "model": model.state_dict()}, checkpoint_id=checkpoint
+                )
                 if rank == 0:
                     with open(checkpoint + ".json", "w") as f:
                         json.dump({"done": done}, f)

@@ -118,17 +118,101 @@ def _warm_up(seq_len: int) -> None:
         model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
 
 
-def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
-    import importlib
-    import logging
+class _Meter:
+    """Per optimizer step: the training thread's CPU time in forward and backward; over the
+    run: the real (non-padding) and computed tokens."""
 
-    import torch
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.cpu = 0.0
+        self.real = 0
+        self.computed = 0
+
+    def timed(self, base: Any) -> Any:
+        meter = self
+
+        class Timed(base):  # type: ignore[misc]
+            def training_step(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+                start = time.thread_time()
+                loss = super().training_step(model, inputs, *args, **kw)
+                meter.cpu += time.thread_time() - start
+                ids = inputs["input_ids"]
+                mask = inputs.get("attention_mask")
+                meter.computed += int(ids.numel())
+                meter.real += int(ids.numel() if mask is None else mask.sum())
+                return loss
+
+        return Timed
+
+    def callback(self) -> Any:
+        import transformers
+
+        meter = self
+
+        class StepCpu(transformers.TrainerCallback):
+            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+                meter.steps.append(meter.cpu)
+                meter.cpu = 0.0
+
+        return StepCpu()
+
+
+def _train(mode: str, spec: dict[str, Any], data: Any, meter: _Meter) -> float:
+    """Train one epoch with ``mode``; return the Trainer's ``train_runtime``."""
+    import importlib
+
     import torch.distributed as dist
     import transformers
 
     # By name: the adapter imports transformers, which the benchmark's module must not need
     # at import time (the CLI lists every benchmark without their dependencies).
-    EvenflowTrainer = importlib.import_module("evenflow.engine.integrations.hf").EvenflowTrainer
+    hf = importlib.import_module("evenflow.engine.integrations.hf")
+    with tempfile.TemporaryDirectory() as folder:
+        common: dict[str, Any] = {
+            "output_dir": folder,
+            "gradient_accumulation_steps": _ACCUMULATION,
+            "num_train_epochs": 1,
+            "learning_rate": 1e-3,
+            "optim": "sgd",
+            "report_to": [],
+            "disable_tqdm": True,
+            "save_strategy": "no",
+            "logging_strategy": "no",
+            "use_cpu": True,
+            "seed": spec["seed"],
+            "ddp_find_unused_parameters": False,
+        }
+        extra: dict[str, Any] = {}
+        if mode == "evenflow":
+            args = transformers.TrainingArguments(per_device_train_batch_size=1, **common)
+            trainer_class = meter.timed(hf.EvenflowTrainer)
+            extra["seq_len"] = spec["bin_len"]
+        else:
+            args = transformers.TrainingArguments(
+                per_device_train_batch_size=spec["batch"],
+                train_sampling_strategy=mode if mode == "batch_rebalance" else "random",
+                remove_unused_columns=False,
+                **common,
+            )
+            trainer_class = meter.timed(transformers.Trainer)
+            extra["data_collator"] = _pad
+        trainer = trainer_class(
+            model=_model(spec["seq_len"]),
+            args=args,
+            train_dataset=data,
+            callbacks=[meter.callback()],
+            **extra,
+        )
+        dist.barrier()
+        result = trainer.train()
+    return float(result.metrics["train_runtime"])
+
+
+def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
+    import logging
+
+    import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -136,73 +220,14 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
     _warm_up(spec["seq_len"])
     out: dict[str, Any] = {}
     for mode in spec["modes"]:
-        cpu: list[float] = []
-        tokens = {"real": 0, "computed": 0, "cpu": 0.0}
-
-        def timed(base: Any) -> Any:
-            class Timed(base):  # type: ignore[misc, valid-type]
-                def training_step(self, model: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-                    start = time.thread_time()
-                    loss = super().training_step(model, inputs, *args, **kw)
-                    tokens["cpu"] += time.thread_time() - start
-                    ids = inputs["input_ids"]
-                    mask = inputs.get("attention_mask")
-                    tokens["computed"] += int(ids.numel())
-                    tokens["real"] += int(ids.numel() if mask is None else mask.sum())
-                    return loss
-
-            return Timed
-
-        class StepCpu(transformers.TrainerCallback):
-            def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                cpu.append(tokens["cpu"])
-                tokens["cpu"] = 0.0
-
-        with tempfile.TemporaryDirectory() as folder:
-            common: dict[str, Any] = {
-                "output_dir": folder,
-                "gradient_accumulation_steps": _ACCUMULATION,
-                "num_train_epochs": 1,
-                "learning_rate": 1e-3,
-                "optim": "sgd",
-                "report_to": [],
-                "disable_tqdm": True,
-                "save_strategy": "no",
-                "logging_strategy": "no",
-                "use_cpu": True,
-                "seed": spec["seed"],
-                "ddp_find_unused_parameters": False,
-            }
-            extra: dict[str, Any] = {}
-            if mode == "evenflow":
-                args = transformers.TrainingArguments(per_device_train_batch_size=1, **common)
-                trainer_class = timed(EvenflowTrainer)
-                extra["seq_len"] = spec["bin_len"]
-            else:
-                args = transformers.TrainingArguments(
-                    per_device_train_batch_size=spec["batch"],
-                    train_sampling_strategy=mode if mode == "batch_rebalance" else "random",
-                    remove_unused_columns=False,
-                    **common,
-                )
-                trainer_class = timed(transformers.Trainer)
-                extra["data_collator"] = _pad
-            trainer = trainer_class(
-                model=_model(spec["seq_len"]),
-                args=args,
-                train_dataset=data,
-                callbacks=[StepCpu()],
-                **extra,
-            )
-            dist.barrier()
-            result = trainer.train()
-        steps = torch.tensor(cpu, dtype=torch.float64)
+        meter = _Meter()
+        runtime = _train(mode, spec, data, meter)
+        steps = torch.tensor(meter.steps, dtype=torch.float64)
         gathered = [torch.zeros_like(steps) for _ in range(num_ranks)]
         dist.all_gather(gathered, steps)
         per_rank = torch.stack(gathered)  # ranks x steps
-        counts = torch.tensor([tokens["real"], tokens["computed"]], dtype=torch.float64)
+        counts = torch.tensor([meter.real, meter.computed], dtype=torch.float64)
         dist.all_reduce(counts)
-        runtime = float(result.metrics["train_runtime"])
         out[mode] = {
             "steps": int(per_rank.shape[1]),
             "runtime_s": runtime,
@@ -297,7 +322,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench trainer"
     print(f"{prog}: 2 ranks, {samples} samples, 3 configurations ...", file=sys.stderr)
     try:
         ranks = run_ranks(
-            _bench_rank, 2, args=[spec], deadline=args.deadline, timeout=120.0,
+            _bench_rank,
+            2,
+            args=[spec],
+            deadline=args.deadline,
+            timeout=120.0,
             env={"OMP_NUM_THREADS": "1"},
         )
     except LaunchError as exc:
@@ -363,5 +392,7 @@ def _print_text(doc: dict[str, Any]) -> None:
             f"{case['imbalance']:>23.3f}{case['step_cpu_max_s']:>21.3f}"
         )
     for target in doc["targets"]:
-        print(f"{target['status']}  {target['name']}: {target['value']:.3f} vs {target['limit']:.3f}")
+        print(
+            f"{target['status']}  {target['name']}: {target['value']:.3f} vs {target['limit']:.3f}"
+        )
     print(f"wall time {doc['wall_s']:.0f} s")
