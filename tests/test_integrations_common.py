@@ -202,3 +202,19 @@ def test_titan_loader_speaks_torchtitans_protocol() -> None:
             titan.load_state_dict(state)
         with pytest.raises(ResumeError, match="world_size=1"):
             titan.load_state_dict({"dp_rank_1": state["dp_rank_0"], "world_size": 1})
+
+
+def test_an_epoch_left_unread_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    with _loader() as loader:
+        view = LoaderView(loader, bins_per_microbatch=2)
+        steps = len(loader)
+        it = iter(view)
+        for _ in range(2 * steps):  # the whole epoch: no warning at the next one
+            next(it)
+        view.set_epoch(1)
+        it = iter(view)
+        next(it)  # one microbatch of epoch 1, then the framework moves on
+        assert "unread" not in caplog.text
+        view.set_epoch(2)
+        next(iter(view))
+    assert f"epoch 1 still had {steps - 1} of its {steps} steps unread" in caplog.text

@@ -224,10 +224,33 @@ class LoaderView:
             if pending is not None and isinstance(pending.get("epoch"), int):
                 epoch = max(epoch, int(pending["epoch"]))
         self._requested = None
+        self._warn_unfinished(epoch)
         self._loader.set_epoch(epoch)
         self._current = epoch
         if pending is not None:
             self._restore(pending, epoch)
+
+    def _warn_unfinished(self, epoch: int) -> None:
+        """Say so when a new epoch starts before the last one was read to its end: the
+        framework stopped reading (it counted fewer steps for the epoch than the loader has),
+        and the rest of that epoch's samples do not train."""
+        if self._current < 0 or not self._delivering:
+            return
+        try:
+            remaining = len(self._loader) - int(self._loader.step)
+        except TypeError:  # a source without len(): nothing to compare with
+            return
+        if remaining > 0:
+            logger.warning(
+                "Epoch %d starts while epoch %d still had %d of its %d steps unread: the "
+                "training framework stopped reading the loader early (it counts the steps of "
+                "an epoch once, from the first). Those steps' samples do not train in epoch %d.",
+                epoch,
+                self._current,
+                remaining,
+                len(self._loader),
+                self._current,
+            )
 
     def _microbatches(self, generation: int) -> Iterator[Any]:
         if generation != self._generation:
