@@ -7,7 +7,9 @@ DDP example) and its output is checked for what the example claims to show.
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -46,6 +48,10 @@ def test_every_example_is_tested() -> None:
         "elastic_resume.py",
         "parallel_tokenize.py",
         "hf_training_loop.py",
+        "hf_trainer.py",
+        "accelerate_loop.py",
+        "lightning_module.py",
+        "torchtitan_loader.py",
     }
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
@@ -221,3 +227,111 @@ def test_elastic_resume(tmp_path: Path) -> None:
     assert twice == 0 and never == remainder and delivered + never == 160, out
     steps = re.search(r"epoch 1: (\d+) steps per rank, as a 2-rank run: (\d+)", out)
     assert steps is not None and steps.group(1) == steps.group(2), out
+
+
+# -- the framework adapters' examples ---------------------------------------------------------
+
+#: example -> the how-to that shows its marked block
+_HOWTOS = {
+    "hf_trainer.py": "hf-trainer.md",
+    "accelerate_loop.py": "accelerate.md",
+    "lightning_module.py": "lightning.md",
+    "torchtitan_loader.py": "torchtitan.md",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_HOWTOS))
+def test_howto_block_is_the_examples_block(name: str) -> None:
+    """Each framework how-to shows its example's marked block as it is (and runs it through
+    the example's test below)."""
+    example = (EXAMPLES / name).read_text()
+    page = _HOWTOS[name]
+    start = f"# -- evenflow (docs/howto/{page} shows this block as it is) --\n"
+    text = (EXAMPLES.parent / "docs" / "howto" / page).read_text()
+    blocks = re.findall(r"```python illustrative\n(.*?)```", text, re.DOTALL)
+    regions = example.split(start)[1:]
+    assert regions, f"examples/{name} marks no block for docs/howto/{page}"
+    for rest in regions:
+        region = textwrap.dedent(rest[: rest.index("# --\n")]).rstrip() + "\n"
+        assert region in blocks, f"docs/howto/{page} does not show a block of examples/{name}"
+        if name == "hf_trainer.py":  # the promise: a Trainer user adds evenflow in <= 15 lines
+            assert len(region.strip().splitlines()) <= 15
+
+
+def _torchrun(name: str, *options: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLES / name),
+        *options,
+    ]
+
+
+_ADAPTER_ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _run_env(args: list[str], cwd: Path) -> str:
+    env = {**os.environ, **_ADAPTER_ENV}
+    try:
+        done = subprocess.run(
+            args,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=DEADLINE_S,
+            check=False,
+            env=env,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{args} did not finish within {DEADLINE_S:g} s:\n{exc.stdout!r}")
+    assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+_STEP = re.compile(r"step (\d+): loss ([\d.]+).*max cost (\S+) -> (\S+), moved (\d+)")
+
+
+def _steps(out: str) -> list[tuple[str, ...]]:
+    return _STEP.findall(out)
+
+
+@pytest.mark.multiprocess
+def test_hf_trainer_trains_two_epochs_and_resumes_exactly(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate")
+    args = _torchrun("hf_trainer.py", "--samples", "120", "--save-steps", "4")
+    steps = _steps(_run_env(args, tmp_path))
+    # 120 samples: 3 balanced steps per epoch on 2 ranks, 2 epochs.
+    assert [int(s[0]) for s in steps] == [1, 2, 3, 4, 5, 6], steps
+    assert any(int(s[-1]) > 0 for s in steps), steps  # the plan moved samples
+    assert all(float(after) <= float(before) for _, _, before, after, _ in steps)
+    folder = tmp_path / "evenflow-trainer"
+    assert {p.name for p in (folder / "checkpoint-4").glob("evenflow-loader-*")} == {
+        "evenflow-loader-rank0.pt",
+        "evenflow-loader-rank1.pt",
+    }
+    shutil.rmtree(folder / "checkpoint-6")  # resume from step 4, inside the second epoch
+    resumed = _steps(_run_env([*args, "--resume"], tmp_path))
+    assert resumed == steps[4:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("name", "package"),
+    [
+        ("accelerate_loop.py", "accelerate"),
+        ("lightning_module.py", "lightning"),
+        ("torchtitan_loader.py", "torch"),
+    ],
+)
+def test_framework_example_trains_balanced_steps(name: str, package: str, tmp_path: Path) -> None:
+    pytest.importorskip(package)
+    steps = _steps(_run_env(_torchrun(name, "--samples", "120"), tmp_path))
+    assert len(steps) in (6, 8), steps  # two epochs of 3 steps (torchtitan: 8 steps)
+    for _, loss, before, after, _ in steps:
+        assert 4.5 < float(loss) < 6.5  # ln(256) = 5.55 for the random-weight model
+        assert float(after) <= float(before)
+    assert any(int(s[-1]) > 0 for s in steps), steps

@@ -28,6 +28,10 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
         "evenflow.engine._tools.bench.calibration",
         "online cost-model calibration against a misspecified model",
     ),
+    "trainer": (
+        "evenflow.engine._tools.bench.trainer",
+        "HF Trainer: evenflow vs BatchRebalanceSampler",
+    ),
 }
 
 
