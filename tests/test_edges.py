@@ -180,7 +180,11 @@ def test_user_base_exceptions_fail_the_step_on_every_rank_and_reach_the_caller(
     assert hung == [False, False] and errors == [None, None]
     (n0, seen0), (n1, seen1) = results
     assert n0 == n1 == 2, results  # both stop at step 2: never a silent end of the pass
-    assert seen1.startswith(type(exc).__name__)  # the original exception, on its own rank
+    if isinstance(exc, asyncio.CancelledError):
+        # Raised as itself it would read as the cancellation of the caller's own task.
+        assert seen1.startswith("RuntimeError: User code") and "CancelledError" in seen1
+    else:
+        assert seen1.startswith(type(exc).__name__)  # the original exception, on its rank
     assert seen0.startswith("RemoteStageError") and type(exc).__name__ in seen0
     assert "Rank 1" in seen0
 
@@ -229,8 +233,9 @@ async def test_a_cancelled_error_from_an_async_source_is_an_error_not_an_end() -
             async for _ in loader:
                 seen += 1
 
-    with pytest.raises(asyncio.CancelledError):
+    with pytest.raises(RuntimeError, match="raised CancelledError") as info:
         await asyncio.wait_for(run(), DEADLINE)
+    assert isinstance(info.value.__cause__, asyncio.CancelledError)
     assert seen == 2
     assert loader.last_pass is None or loader.last_pass.end_reason != "restart"
 
@@ -461,3 +466,41 @@ def test_planning_memory_does_not_grow_with_seq_len() -> None:
     assert plan.layout.num_ranks == 8
     # The polish's knapsack tables were sized by seq_len: 32 GiB of address space here.
     assert grown < 1 << 20, f"planning reserved {grown} KiB"
+
+
+def test_a_second_loop_after_an_exact_len_loop_trains_the_next_epoch() -> None:
+    rows = _rows(80)
+    loaders = make_loaders(2, [DatasetSource(rows, seed=1) for _ in range(2)], pack_fn=_ids)
+
+    def body(rank: int, loader: BalancedLoader) -> tuple[int, int, int]:
+        with loader:
+            # A loop that takes exactly len() steps never sees StopIteration.
+            first = sum(1 for _ in zip(range(len(loader)), loader, strict=False))
+            second = sum(1 for _ in zip(range(len(loader)), loader, strict=False))
+            return first, second, loader.epoch
+
+    results, errors, hung = run_in_threads(loaders, body)
+    assert hung == [False, False] and errors == [None, None]
+    for first, second, epoch in results:
+        assert first == second > 0 and epoch == 1
+
+
+def test_a_source_can_be_read_by_one_loader_after_another() -> None:
+    source = DatasetSource(_rows())
+    with BalancedLoader(
+        source, config=LoaderConfig(seq_len=48, bins_per_rank=2, log_stats=False)
+    ) as loader:
+        assert list(loader)
+    # Another loader with other values: the source takes them (it was given none itself).
+    with BalancedLoader(
+        source, config=LoaderConfig(seq_len=64, bins_per_rank=1, log_stats=False)
+    ) as loader:
+        assert all(len(batch) == 1 for batch in loader)
+    # A refusal is lifted by a loader that agrees with the source's own values.
+    fixed = DatasetSource(_rows(), seq_len=64)
+    with pytest.raises(ConfigError, match="seq_len=64"):
+        BalancedLoader(fixed, config=LoaderConfig(seq_len=48, bins_per_rank=2))
+    with BalancedLoader(
+        fixed, config=LoaderConfig(seq_len=64, bins_per_rank=2, log_stats=False)
+    ) as loader:
+        assert list(loader)

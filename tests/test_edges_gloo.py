@@ -159,8 +159,7 @@ def _wrong_ranks(rank: int, num_ranks: int, how: str) -> str:
         else:
             loader = build_loader(source, _config(), pack_fn=_ids)
         with loader:
-            for _ in loader:  # (len(), which list() calls, refuses on the wrong rank alone)
-                pass
+            list(loader)  # (len(), which list() asks first, defers to the first round)
     except Exception as exc:
         return _describe(exc)
     return "trained"
@@ -182,6 +181,27 @@ def test_a_source_rank_or_size_that_disagrees_with_the_group_is_refused_on_every
         assert results[1].startswith("ConfigError")
         expected = "RemoteStageError" if how == "plain" else "ConfigError"
         assert results[0].startswith(expected), results[0]
+
+
+# -- 6. the data-parallel position with model parallelism alone -----------------------------------
+
+
+def _tensor_parallel_only(rank: int, num_ranks: int) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    loader = build_loader(DatasetSource(_rows(), seed=2), _config(), pack_fn=_ids, mesh=mesh)
+    with loader:
+        return [i for batch in loader for b in batch for i in b]
+
+
+def test_one_data_parallel_rank_under_tensor_parallelism_reads_the_whole_dataset(
+    pool: RankPool,
+) -> None:
+    constructor, follower = pool.run(_tensor_parallel_only, deadline=60.0)
+    assert constructor == follower and len(constructor) == len(set(constructor))
+    reference = DatasetSource(_rows(), seq_len=SEQ_LEN, bins_per_rank=2, seed=2)
+    assert N - len(constructor) == reference.report.num_dropped_samples
 
 
 # -- 14. errors that name the dataset index on every rank ----------------------------------------

@@ -574,3 +574,29 @@ def test_invalid_arguments_raise_clear_errors_on_every_rank(
     assert all(r is not None and r["error"] == "ConfigError" for r in results), results
     assert len({r["message"] for r in results}) == 1
     assert re.search(expected, results[0]["message"]), results[0]["message"]
+
+
+def test_a_follower_keeps_a_restored_position_and_refuses_an_earlier_epoch() -> None:
+    from evenflow.engine._pipeline.resume import loader_state
+    from evenflow.engine.errors import LoaderStateError
+
+    def at(epoch: int, step: int) -> dict[str, Any]:
+        return loader_state(
+            epoch=epoch,
+            step=step,
+            identity={},
+            source=None,
+            source_state=None,
+            process_rank=None,
+            group_rank=0,
+            group=[],
+        )
+
+    # The constructor's rule, so that a model-parallel group cannot diverge.
+    loader = _follower([_ok(3, epoch=2)])
+    loader.load_state_dict(at(2, 3))
+    with pytest.raises(LoaderStateError, match=r"set_epoch\(1\) .* epoch 2 .*set_epoch\(2\)"):
+        loader.set_epoch(1)
+    loader.set_epoch(2)  # the restored epoch: the position stays
+    assert next(loader)["step"] == 3 and loader.step == 4
+    loader.close()

@@ -278,6 +278,22 @@ def _build_local(
             if broadcaster is not None:
                 broadcaster.close()
             raise
+    # The source's data-parallel position is this constructor's place among all of them (the
+    # order of the world round's group and of a single balance group), also when no group
+    # spans ranks (tensor or pipeline parallelism only): the loader alone cannot know it.
+    bind = getattr(source, "bind_loader", None)
+    if callable(bind):
+        constructors = sorted(topology.layout.constructors)
+        refusal = bind(
+            seq_len=config.seq_len,
+            bins_per_rank=config.bins_per_rank,
+            rank=constructors.index(topology.rank),
+            num_ranks=len(constructors),
+        )
+        if isinstance(refusal, ConfigError):
+            if broadcaster is not None:
+                broadcaster.close()
+            raise refusal
     data_transport = _make_transport(
         transport, mine.get("balance"), topology, seconds, loader_kwargs
     )

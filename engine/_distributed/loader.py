@@ -14,6 +14,7 @@ asynchronously.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import Callable
@@ -337,6 +338,11 @@ class DistributedLoader(LoaderFacade):
             batch = await self._inner._next(run.blocking)
         except BaseException as exc:
             # Any error, a KeyboardInterrupt included: followers must stop at this step too.
+            # Not the caller's own cancellation (an asyncio.timeout around the call): the pass
+            # goes on, and the next call continues it.
+            task = asyncio.current_task() if not run.blocking else None
+            if isinstance(exc, asyncio.CancelledError) and task is not None and task.cancelling():
+                raise
             await self._announce(run, "error", exc)
             raise
         if batch is END:
@@ -365,8 +371,18 @@ class DistributedLoader(LoaderFacade):
             await self._inner._set_epoch(epoch, run.blocking)
             self._new_pass(epoch)
             return
-        if self._restored_pending and epoch == self._epoch:
-            return
+        if self._restored_pending:
+            # The constructor's rule (BalancedLoader._restart), so the model-parallel group
+            # cannot diverge: the restored epoch keeps its position, an earlier one is refused.
+            if epoch == self._epoch:
+                return
+            if epoch < self._epoch:
+                raise LoaderStateError(
+                    f"set_epoch({epoch}) after load_state_dict() of a state in epoch "
+                    f"{self._epoch} (step {self._step}) would train epochs the run has already "
+                    f"trained. Call set_epoch({self._epoch}) to continue where the state left "
+                    "off (or start the epoch loop there), or do not restore."
+                )
         self._new_pass(epoch)
 
     @property

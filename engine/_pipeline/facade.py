@@ -31,16 +31,19 @@ A loader implements four hooks and may override the two pumps::
 Iterating again. ``iter()`` (a new ``for`` loop, ``list(loader)``) after a pass has ended
 starts the next epoch, ``epoch + 1``, at the first ``next()``, as if ``set_epoch(epoch + 1)``
 had been called: a ``DataLoader`` goes over its data again on every iteration, and a loop
-that never calls ``set_epoch`` must not train one epoch and then silently nothing. An
-explicit ``set_epoch()`` before the loop chooses the epoch instead. ``next()`` on an ended
-pass without a new ``iter()`` keeps raising ``StopIteration`` (the iterator protocol).
-A ``for`` loop left with ``break`` has not ended its pass: the next loop continues it.
+that never calls ``set_epoch`` must not train one epoch and then silently nothing. So does a
+new iteration over a pass an earlier loop consumed to its last step without seeing its end
+(``zip(range(len(loader)), loader)``). An explicit ``set_epoch()`` before the loop chooses
+the epoch instead. ``next()`` on an ended pass without a new ``iter()`` keeps raising
+``StopIteration`` (the iterator protocol). A ``for`` loop left with ``break`` before the
+last step has not ended its pass: the next loop continues it.
 
 User code's ``BaseException``. What user code raises on the loader's threads reaches the
 pipeline as an ordinary exception (``KeyboardInterrupt``, ``SystemExit`` and a
 ``CancelledError`` it raised are carried in a ``ThreadInterrupt``, so no event loop dies of
 them); the step fails on every rank like any other error, and :meth:`LoaderFacade._next`
-raises the original exception on the caller's thread.
+raises the original exception on the caller's thread (a ``CancelledError`` as a
+``RuntimeError`` from it, since it would read as the cancellation of the caller's task).
 
 A loader that wraps another (``DistributedLoader`` over ``BalancedLoader``) calls the inner
 loader's entry-point coroutines with its own ``run.blocking``, so both iterate in one mode.
@@ -122,6 +125,8 @@ class LoaderFacade:
     def __init__(self) -> None:
         self._mode: str | None = None  # "sync" | "async", fixed by the first iteration call
         self._advance_epoch = False  # a new iteration began after a finished pass
+        self._fresh_iteration = False  # iter() was called and no next() has run since
+        self._pass_items = 0  # items this loader delivered in the current pass
         self._closed = False
         self._loop_thread: LoopThread | None = None
         #: The loop thread's lowered priority, None to leave it (subclasses set it).
@@ -165,23 +170,45 @@ class LoaderFacade:
         self._enter("sync" if blocking else "async")
         run = Runner(self, blocking=blocking)
         try:
+            fresh, self._fresh_iteration = self._fresh_iteration, False
             if self._advance_epoch:
                 # A new iteration after the end of a pass: the next epoch (module docstring).
                 self._advance_epoch = False
-                epoch = self._current_epoch() + 1
-                logger.info(
-                    "evenflow: a new iteration after the end of epoch %d starts epoch %d (call "
-                    "set_epoch() before iterating to choose the epoch).",
-                    epoch - 1,
-                    epoch,
-                )
-                await self._restart(epoch, run)
-            return await self._produce(run)
+                await self._next_epoch(run)
+            item = await self._produce(run)
+            if item is END and fresh and self._pass_items > 0:
+                # A new iteration over a pass an earlier loop of this loader consumed to its
+                # last step without seeing its end (``zip(range(len(loader)), loader)``,
+                # ``islice``): it would yield nothing. It is a new epoch, as after a seen end.
+                await self._next_epoch(run)
+                item = await self._produce(run)
+            if item is not END:
+                self._pass_items += 1
+            return item
         except ThreadInterrupt as exc:
-            # A KeyboardInterrupt / SystemExit / CancelledError raised by user code on one of
-            # the loader's threads: carried as an ordinary error through the pipeline (so it
-            # failed the step on every rank), raised here as itself, on the caller's thread.
-            raise exc.original from None
+            # A KeyboardInterrupt / SystemExit raised by user code on one of the loader's
+            # threads: carried as an ordinary error through the pipeline (so it failed the
+            # step on every rank), raised here as itself, on the caller's thread. A
+            # CancelledError user code raised would read as the cancellation of the caller's
+            # own task (a TaskGroup would swallow it): it is raised as a RuntimeError.
+            original = exc.original
+            if isinstance(original, asyncio.CancelledError):
+                raise RuntimeError(
+                    "User code (a source, dataset or callback) raised CancelledError; it failed "
+                    "the step on every rank. Raise an ordinary exception to stop a read."
+                ) from original
+            raise original from None
+
+    async def _next_epoch(self, run: Runner) -> None:
+        self._pass_items = 0
+        epoch = self._current_epoch() + 1
+        logger.info(
+            "evenflow: a new iteration after the end of epoch %d starts epoch %d (call "
+            "set_epoch() before iterating to choose the epoch).",
+            epoch - 1,
+            epoch,
+        )
+        await self._restart(epoch, run)
 
     async def _prefetch(self, goal: str, blocking: bool) -> None:
         assert goal in _GOALS, goal
@@ -204,6 +231,8 @@ class LoaderFacade:
                 "loader.aset_epoch(epoch) instead."
             )
         self._advance_epoch = False  # an explicit epoch replaces the automatic one
+        self._fresh_iteration = False
+        self._pass_items = 0
         await self._restart(epoch, Runner(self, blocking=blocking))
 
     async def _close(self, blocking: bool) -> None:
@@ -324,6 +353,8 @@ class LoaderFacade:
         silently yield nothing."""
         if self._pass_ended:
             self._advance_epoch = True
+        else:
+            self._fresh_iteration = True
 
     def _enter(self, mode: str) -> None:
         self._check_open()

@@ -264,6 +264,12 @@ class BalancedLoader(LoaderFacade):
         return (world if world is not None else self._transport).num_ranks
 
     def __len__(self) -> int:
+        if self.bind_refusal is not None:
+            # A TypeError, which list() and length hints read as "unknown": the refusal must
+            # reach the first metadata round, where every rank of the group raises it.
+            raise TypeError(
+                f"len() of this BalancedLoader is unknown: {self.bind_refusal}"
+            ) from self.bind_refusal
         limit = self._config.max_steps
         try:
             size: int | None = len(self._source)
@@ -692,12 +698,16 @@ class BalancedLoader(LoaderFacade):
         if self._last_loss_tokens is not None and self._last_loss_tokens.world == 0:
             # Never silent: the loss recipe's scale is 0.0 and the step trains nothing.
             self._pass_zero_loss += 1
-            if self._transport.rank == 0:
+            if self._transport.rank == 0 and self._pass_zero_loss <= _ZERO_LOSS_WARNINGS:
                 logger.warning(
                     "evenflow: step %d holds no loss target in the whole data-parallel world "
                     "(every label is -100): it trains nothing, and LossTokens.loss_scale() is "
-                    "0.0. Check the labels (or the chat template's masking) of its samples.",
+                    "0.0. Check the labels (or the chat template's masking) of its samples.%s",
                     state.step,
+                    " Further such steps of this pass are counted in "
+                    "last_pass.num_zero_loss_steps, not logged."
+                    if self._pass_zero_loss == _ZERO_LOSS_WARNINGS
+                    else "",
                 )
         self._last_host_batch = state.host_batch
         routes, plan = state.routes, state.plan
@@ -741,6 +751,10 @@ class BalancedLoader(LoaderFacade):
             f"<BalancedLoader {state} rank={self._transport.rank}/"
             f"{self._transport.num_ranks} step={self._delivered}>"
         )
+
+
+#: Steps of one pass whose world holds no loss target that are logged one by one.
+_ZERO_LOSS_WARNINGS = 3
 
 
 def _bind_source(

@@ -63,8 +63,9 @@ from evenflow.engine._pipeline.calibration import GroupCalibration
 from evenflow.engine._pipeline.loss_tokens import rank_loss_tokens
 from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
 from evenflow.engine._pipeline.pack_check import (
-    check_declared_lengths,
+    Declared,
     check_packed,
+    explain_pack_error,
     name_samples,
 )
 from evenflow.engine._pipeline.plan_stage import PlanStage
@@ -89,6 +90,7 @@ from evenflow.engine.errors import (
     RemoteStageError,
 )
 from evenflow.transports import Prepared, Transport
+from evenflow.transports._threads import unwrap
 from evenflow.transports.errors import (
     CollectiveMismatchError,
     PeerEncodeError,
@@ -137,6 +139,7 @@ class Pipeline:
             initial_iter=initial_iter,
             prepare_payloads=assigned is None and transport.num_ranks > 1,
             constraints=planner.constraints,
+            close_timeout=config.close_timeout,
         )
         self._config = config
         self._transport = transport
@@ -254,6 +257,10 @@ class Pipeline:
                 self._fatal = _first_error(exc)
             await self._sequencer.fail(_Aborted("the pipeline stopped"))
             self._confirm_all_pending(self._fatal)
+            if self._world.spans_groups and not self._closed:
+                # Alive, whatever stopped the pipeline: answer the world's roll call.
+                with contextlib.suppress(Exception):
+                    await self._world.answer_roll_call()
             if not isinstance(exc, (Exception, BaseExceptionGroup)):
                 raise
 
@@ -285,7 +292,7 @@ class Pipeline:
             raise LoaderStateError("This pass was closed; no more steps will be delivered.")
         if self._failure is not None:
             raise LoaderStateError(
-                f"This pass already failed with {type(self._failure).__name__}: "
+                f"This pass already failed with {type(unwrap(self._failure)).__name__}: "
                 f"{self._failure}. Call set_epoch() to start a new pass, or close()."
             ) from self._failure
         state = self._pending
@@ -863,7 +870,14 @@ class Pipeline:
         assert routes is not None
         local, received, rank = state.local_samples(), state.received, self._rank
         by_step = state.step_messages()
+        declared = Declared(by_step)
         default_pack = self._pack_fn is default_pack_fn
+        # Every bin's declared columns in one lookup: this rank's slots, in pack order.
+        plan = state.plan
+        assert plan is not None
+        start, end = plan.layout.rank_slots(rank)
+        all_tokens, all_loss = declared.columns(plan.layout.key_fields[start:end])
+        at = 0
         single = self._config.oversized_policy == "single"
         packed = []
         for b, keys in enumerate(routes.bins):
@@ -879,22 +893,34 @@ class Pipeline:
                             f"Rank {rank} did not receive sample {SampleKey(*key)} planned for "
                             f"it at step {state.step}; the exchange lost data."
                         ) from None
-            where = f"Bin {b} of step {state.step} on rank {self._global_ranks[rank]}"
-            if default_pack:
-                check_declared_lengths(samples, keys, by_step, where=where)
             try:
                 bin_packed = self._pack_fn(samples, self._config.seq_len)
             except Exception as exc:
+                where = f"Bin {b} of step {state.step} on rank {self._global_ranks[rank]}"
+                # A length other than the declared one is why a planned bin does not fit.
+                better = (
+                    explain_pack_error(samples, keys, declared, where=where)
+                    if default_pack
+                    else None
+                )
+                if better is not None:
+                    raise better from exc
                 name_samples(exc, by_step, keys, where)
                 raise
+            columns = (
+                all_tokens[at : at + len(keys)],
+                None if all_loss is None else all_loss[at : at + len(keys)],
+            )
+            at += len(keys)
             check_packed(
                 bin_packed,
                 keys,
-                by_step,
+                declared,
+                columns,
                 seq_len=self._config.seq_len,
                 oversized_single=single,
                 default_pack=default_pack,
-                where=where,
+                where=f"Bin {b} of step {state.step} on rank {self._global_ranks[rank]}",
             )
             packed.append(bin_packed)
         if state.loss_rank is None and self._pack_fn is default_pack_fn:

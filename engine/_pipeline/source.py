@@ -49,7 +49,9 @@ class SourceReader:
         initial_iter: Iterator[Any] | None = None,
         prepare_payloads: bool = False,
         constraints: PackingConstraints | None = None,
+        close_timeout: float = 10.0,
     ) -> None:
+        self._close_timeout = close_timeout
         self._source = source
         self._constraints = constraints
         # Payload mode on a group: each sample is prepared for the wire when it is read, so
@@ -121,8 +123,11 @@ class SourceReader:
         if isinstance(it, AsyncIterator):
             aclose = getattr(it, "aclose", None)
             if callable(aclose):
-                with contextlib.suppress(Exception):  # e.g. still running: it ends with the loop
-                    await aclose()
+                # e.g. still running: it ends with the loop; a clean-up stuck in user code is
+                # left behind after close_timeout, like a stuck thread.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(self._close_timeout):
+                        await aclose()
             return
         # The iterator travels in a list that the close empties, so that the last reference
         # (which shuts down a DataLoader's workers) is dropped inside the close itself.
@@ -139,8 +144,10 @@ class SourceReader:
             # Nothing runs before it on the source thread: wait, so that the pass's
             # resources (worker processes, files) are released when the pass ends. A
             # next() still in flight (abandoned by drain or close) may block for good, so
-            # then the close runs after it returns, without waiting.
-            await asyncio.wrap_future(closing)
+            # then the close runs after it returns, without waiting; a clean-up that blocks
+            # is waited for at most close_timeout.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(closing), self._close_timeout)
 
     async def _open_source(self) -> Iterator[Any] | AsyncIterator[Any]:
         if hasattr(self._source, "__aiter__"):

@@ -42,6 +42,7 @@ from evenflow.engine._pipeline.pass_report import RankUnread, UnevenEnd
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import GroupMismatchError, RemoteStageError, SourceExhaustedError
 from evenflow.transports import Transport
+from evenflow.transports._protocol import ROLL_CALL_SECONDS
 from evenflow.transports.errors import TransportError, WireFormatError
 
 __all__ = ["WorldRound"]
@@ -145,9 +146,9 @@ class WorldRound:
             return exc
         names = ", ".join(map(str, missing))
         blamed = type(exc)(
-            f"{exc} The world round of step {step} failed because rank(s) {names} did not "
-            "answer a roll call of the survivors: they crashed or are stuck (every other "
-            "rank answered).",
+            f"{exc} The world round of step {step} failed: rank(s) {names} did not answer "
+            f"a roll call of the survivors within {ROLL_CALL_SECONDS:g} s — they crashed or "
+            "are stuck (every other rank answered).",
             rank=exc.rank,
             op=exc.op,
             peer_rank=exc.peer_rank,

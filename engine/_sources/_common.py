@@ -140,14 +140,19 @@ class LoaderBinding:
         self.bound = False
 
     def bind(self, **given: int | None) -> ConfigError | None:
-        """Take the loader's values (``None``: the loader does not know it); return (and
-        remember) the refusal when they disagree."""
+        """Take a loader's values (``None``: that loader does not know it); return (and
+        remember) the refusal when one disagrees with a value given to the source itself.
+
+        Each bind starts afresh from the source's own values, so a source may be read by one
+        loader after another (each binds its own values) and a refusal is lifted by a loader
+        that agrees; a value a loader does not know keeps what an earlier bind set."""
         loader = {name: value for name, value in given.items() if value is not None}
         wrong = [
             (name, mine, loader[name])
-            for name, mine in self.values.items()
+            for name, mine in self._explicit.items()
             if name in loader and mine is not None and mine != loader[name]
         ]
+        self.refusal = None
         if wrong:
             parts = [
                 f"{self._owner}({name}={mine}) disagrees with " + _WHERE[name].format(value=theirs)
@@ -159,9 +164,11 @@ class LoaderBinding:
                 "or make the values agree: a wrong value silently changes what trains."
             )
             return self.refusal
-        for name, value in loader.items():
-            if name in self.values:
-                self.values[name] = value
+        for name in self.values:
+            if self._explicit[name] is not None:
+                self.values[name] = self._explicit[name]
+            elif name in loader:
+                self.values[name] = loader[name]
         self.bound = True
         return None
 
