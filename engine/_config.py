@@ -98,7 +98,8 @@ class LoaderConfig:
             network filesystem, a ``pack_fn`` that never returns) is abandoned: it is a daemon
             thread, so it never keeps the process from exiting, and a WARNING on the
             ``"evenflow"`` logger names it and what it runs. ``close()`` itself returns within
-            about this many seconds plus the transport's own close (at most 5 s).
+            about this many seconds, plus at most 5 s for each transport it closes (a
+            collective still in flight).
         log_stats: log one line of balance statistics per step on group rank 0 (logger
             ``"evenflow"``, INFO; shown on standard error when the application configured no
             logging, see :mod:`evenflow.engine._logging`).
