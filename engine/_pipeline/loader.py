@@ -603,7 +603,7 @@ class BalancedLoader(LoaderFacade):
         except TimeoutError:
             # Only this wait's own deadline is a stall: a TimeoutError raised by a step (a
             # transport's, or one from user code) reaches the caller as it is.
-            if pipeline.finished or not deadline.expired():
+            if not deadline.expired():
                 raise
             raise StallTimeoutError(
                 f"No step arrived within {self._config.balance_window + 1} x "
