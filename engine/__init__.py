@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from evenflow.engine._config import LoaderConfig
     from evenflow.engine._distributed.build import build_loader
     from evenflow.engine._distributed.loader import DistributedLoader
+    from evenflow.engine._pipeline.calibration import CalibrationStats
     from evenflow.engine._pipeline.loader import BalancedLoader
     from evenflow.engine._pipeline.loss_tokens import LossTokens
     from evenflow.engine._pipeline.pack import (
@@ -23,16 +24,15 @@ if TYPE_CHECKING:
         default_pack_fn,
     )
     from evenflow.engine._pipeline.pass_report import PassSummary, RankUnread, UnevenEnd
-    from evenflow.engine._pipeline.calibration import CalibrationStats
     from evenflow.engine._pipeline.stats import StepStats
-    from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
     from evenflow.engine._planning.calibration import CalibratedCost
+    from evenflow.engine._planning.cost import ComponentCost, CostModel, QuadraticCost, TokenCost
     from evenflow.engine._planning.flops import FlopsCost
-    from evenflow.engine._planning.vision import VisionLanguageCost
     from evenflow.engine._planning.lpt import LPTAlgorithm
     from evenflow.engine._planning.planner import Planner
     from evenflow.engine._planning.problem import BalanceProblem, BalancingAlgorithm, FlatLayout
     from evenflow.engine._planning.refine import RefineAlgorithm
+    from evenflow.engine._planning.vision import VisionLanguageCost
     from evenflow.engine._sources._common import IndexedSample, SourceReport
     from evenflow.engine._sources.dataset import DatasetSource
     from evenflow.engine._sources.iterable import IterableSource

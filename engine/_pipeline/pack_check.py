@@ -117,7 +117,9 @@ def explain_pack_error(
         except Exception:
             return None
         if actual != int(tokens[k]):
-            return _length_error(declared.messages, keys[k], k, where, actual, int(tokens[k]))
+            return _length_error(
+                declared.messages, keys[k], k, where, actual=actual, declared=int(tokens[k])
+            )
     return None
 
 
@@ -160,7 +162,9 @@ def check_packed(
     bad = np.flatnonzero(lengths != tokens)
     if bad.size:
         k = int(bad[0])
-        raise _length_error(declared.messages, keys[k], k, where, int(lengths[k]), int(tokens[k]))
+        raise _length_error(
+            declared.messages, keys[k], k, where, actual=int(lengths[k]), declared=int(tokens[k])
+        )
     if loss is None:
         return
     targets = (np.asarray(labels).reshape(-1) != _IGNORE).astype(np.int64)
@@ -178,7 +182,7 @@ def check_packed(
 
 
 def _length_error(
-    messages: Messages, key: Sequence[int], k: int, where: str, actual: int, declared: int
+    messages: Messages, key: Sequence[int], k: int, where: str, *, actual: int, declared: int
 ) -> ConfigError:
     return ConfigError(
         f"{sample_name(messages, key)} (samples[{k}] of {where.lower()}) packs into {actual} "

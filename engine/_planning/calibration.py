@@ -458,7 +458,7 @@ class Calibrator:
             assert candidate is not None
             self.model.set_coefficients(candidate.coefficients)
             self.num_accepted += 1
-        decision = Decision(step, accepted, candidate_error, current_error, int(len(rows)))
+        decision = Decision(step, accepted, candidate_error, current_error, len(rows))
         self.decisions = [*self.decisions[-63:], decision]
         return decision
 

@@ -10,7 +10,7 @@ Per image of ``p`` patches (before the spatial merge; ``t·h·w`` of ``image_gri
 ``Hv`` the encoder width, ``Iv`` its MLP width, ``m`` the spatial merge size, ``O`` the
 merger's output width, forward FLOPs are ``2·p·M + 4·Hv·pairs`` where
 
-* ``M = C·T·s²·Hv`` (patch embedding: channels × temporal patch × patch size², per patch)
+* ``M = C·T·s²·Hv`` (patch embedding: channels x temporal patch x patch size², per patch)
   ``+ depth·(4·Hv² + g·Hv·Iv)`` (attention projections q, k, v, o and the MLP with ``g = 3``
   gated matrices for Qwen2.5-VL, ``g = 2`` for Qwen3-VL)
   ``+ mergers·Hv·(m²·Hv + O)`` (each merger maps ``m²`` patches of width ``Hv`` through a
