@@ -617,6 +617,10 @@ class BalancedLoader(LoaderFacade):
         for pool in pools:
             pool.stop(cancel_futures=True)
         until = time.monotonic() + self._config.close_timeout
+        close_workers = getattr(self._source, "close_workers", None)
+        if callable(close_workers):
+            # Before the join: a read waiting on a worker returns once the workers are gone.
+            close_workers(self._config.close_timeout)
         stuck: list[str] = []
         for pool in pools:
             stuck += pool.join(max(until - time.monotonic(), 0.0))
@@ -697,6 +701,9 @@ def _bind_source(
     bind = getattr(source, "bind_loader", None)
     if not callable(bind):
         return None
+    bind_workers = getattr(source, "bind_workers", None)
+    if callable(bind_workers):  # transform worker processes: hung past the loader's timeout
+        bind_workers(timeout=config.timeout)
     ranks = world if world is not None else transport
     # A loader with no peers knows nothing of the data-parallel world: a source sharded by
     # hand (explicit rank / num_ranks, one loader per process without a group) keeps them.

@@ -37,9 +37,14 @@ from evenflow.engine._sources._common import (
 from evenflow.engine._sources._lengths import default_length, fingerprint, read_lengths
 from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
+from evenflow.engine._sources.workers import (
+    TransformPool,
+    check_transform,
+    read_samples,
+    transform_samples,
+)
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
-from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["DatasetSource"]
 
@@ -84,6 +89,19 @@ class DatasetSource:
     dataset must allow concurrent reads, or pass ``read_threads=1``). The loader refuses a
     group whose ranks see different datasets (:meth:`dataset_identity`).
 
+    ``transform``: a per-sample function called as ``transform(sample, rng)`` after the read,
+    whose result is the sample the loader plans and packs; ``rng`` is a
+    ``numpy.random.Generator`` seeded by ``(seed, epoch, dataset index)`` only, so a sample
+    is transformed identically on any rank, worker or step. The lengths (``lengths``,
+    ``length_column``, ``length_fn``) must be the token counts of the *transformed* samples:
+    they plan the step before any transform runs. ``transform_workers=N`` runs the read and
+    the transform in ``N`` worker processes (started with ``spawn`` on the first read,
+    reused until the loader closes; ``transform`` and ``dataset`` must be picklable, the
+    transform a module-level function); ``0`` runs them on the loader's threads. In payload
+    mode a step is transformed on the rank that reads it, before its metadata round (the
+    moved samples carry transformed payloads); in shared-dataset mode each rank transforms
+    only the samples the plan assigned to it. See the how-to "Heavy transforms".
+
     Its state is global: the same on every rank at the same step, and restorable onto a
     different number of ranks (the rest of the epoch is dealt to them).
     """
@@ -111,6 +129,8 @@ class DatasetSource:
         features_fn: Callable[[Any], dict[str, Any]] | None = None,
         shared: bool = False,
         read_threads: int = 4,
+        transform: Callable[[Any, np.random.Generator], Any] | None = None,
+        transform_workers: int = 0,
     ) -> None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise TypeError(
@@ -151,6 +171,11 @@ class DatasetSource:
                 "token counts only, or use shared=False."
             )
         self._dataset = dataset
+        self._transform = transform
+        self._transform_workers = check_int("transform_workers", transform_workers, minimum=0)
+        check_transform(transform, self._transform_workers)
+        self._pool: TransformPool | None = None
+        self._transform_timeout = 300.0  # LoaderConfig.timeout, once a loader binds
         self._lengths = read_lengths(
             dataset, lengths=lengths, length_column=length_column, length_fn=length_fn
         )
@@ -301,30 +326,60 @@ class DatasetSource:
         unit = plan.dealing.unit(step, rank)
         return [plan.order[positions] for positions in plan.packed.step(unit)]
 
-    def read(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it).
+    def read(self, indices: Sequence[int], *, epoch: int | None = None) -> list[Any]:
+        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it),
+        transformed when the source has a ``transform`` (with the random state of ``epoch``,
+        default the current one), in the worker processes when it has any.
 
-        An error the dataset raises keeps its type and message and gains a note naming the
-        dataset index (or, for one ``__getitems__`` call, the indices) it was reading."""
-        getitems = getattr(self._dataset, "__getitems__", None)
-        wanted = list(indices)
-        if callable(getitems):
-            try:
-                return list(getitems(wanted))
-            except BaseException as exc:
-                shown = ", ".join(map(str, wanted[:16])) + (", ..." if len(wanted) > 16 else "")
-                exc.add_note(
-                    f"{NOTE_PREFIX}raised by dataset.__getitems__ for dataset indices [{shown}]."
-                )
-                raise
-        out = []
-        for i in wanted:
-            try:
-                out.append(self._dataset[i])
-            except BaseException as exc:
-                exc.add_note(f"{NOTE_PREFIX}raised reading dataset index {i} (dataset[{i}]).")
-                raise
-        return out
+        An error the dataset or the transform raises keeps its type and message and gains a
+        note naming the dataset index (or, for one ``__getitems__`` call, the indices) it
+        was reading; from a worker it also keeps the worker's traceback as a note. A worker
+        that dies or hangs past ``LoaderConfig.timeout`` raises ``TransformWorkerError``."""
+        wanted = [int(i) for i in indices]
+        epoch = self._epoch if epoch is None else epoch
+        if self._transform_workers:
+            return self._workers().run(wanted, epoch, self._transform_timeout)
+        samples = read_samples(self._dataset, wanted)
+        if self._transform is None:
+            return samples
+        return transform_samples(samples, wanted, self._transform, self._seed, epoch)
+
+    @property
+    def transform_workers(self) -> int:
+        """Worker processes that read and transform samples (``0``: the loader's threads)."""
+        return self._transform_workers
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running transform workers (empty before the first read, after
+        ``close_workers()`` and with ``transform_workers=0``)."""
+        return [] if self._pool is None else self._pool.pids
+
+    @property
+    def transform_seconds(self) -> float:
+        """Wall seconds reads have waited for the transform workers so far."""
+        return 0.0 if self._pool is None else self._pool.busy_seconds
+
+    def bind_workers(self, *, timeout: float) -> None:
+        """Called by the loader: a transform worker that does not answer within ``timeout``
+        seconds (``LoaderConfig.timeout``) counts as hung."""
+        self._transform_timeout = float(timeout)
+
+    def close_workers(self, timeout: float = 5.0) -> list[int]:
+        """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
+        ``close()`` calls this); returns their pids. The next read starts fresh ones."""
+        pool = self._pool
+        return [] if pool is None else pool.close(timeout)
+
+    def _workers(self) -> TransformPool:
+        if self._pool is None:
+            self._pool = TransformPool(
+                self._dataset,
+                self._transform,
+                seed=self._seed,
+                workers=self._transform_workers,
+            )
+        return self._pool
 
     def last_read_indices(self) -> npt.NDArray[np.int64] | None:
         """The dataset indices of the step the iterator yielded last, in sample order (the
@@ -368,7 +423,7 @@ class DatasetSource:
                     IndexedSample(i, n) for i, n in zip(flat.tolist(), tokens, strict=True)
                 ]
             else:
-                items = self.read(flat.tolist())
+                items = self.read(flat.tolist(), epoch=plan.epoch)
                 self._memo.remember(items, tokens)
             out, at = [], 0
             for size in sizes:

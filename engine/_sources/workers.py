@@ -1,0 +1,442 @@
+"""Per-sample transforms, in the training process or in worker processes.
+
+A ``DatasetSource`` with a ``transform`` reads each sample and then calls
+``transform(sample, rng)``; with ``transform_workers=N > 0`` both happen in ``N`` worker
+processes, so heavy Python work (tokenizing, a chat template, decoding an image) does not
+hold the training process's GIL.
+
+**Determinism.** ``rng`` is a ``numpy.random.Generator`` seeded by ``(seed, epoch, dataset
+index)`` alone: a sample gets the same random state whichever worker, rank or step reads it,
+so a sample moved by the plan, shared-dataset mode and any worker count (0 included) give
+bitwise the same samples.
+
+**Processes.** Workers start with ``forkserver`` (``spawn`` where the platform lacks it),
+never ``fork``: forking a process that runs threads can copy a held lock and deadlock. The
+fork server imports this module once, so each worker starts in milliseconds instead of
+importing torch again. They start on the first read and are reused until ``close()``,
+across epochs and passes. Each worker gets the dataset and the transform once (pickled at
+start, as ``DataLoader`` does under spawn), reads ``dataset[i]`` itself and sends back the
+transformed sample. Samples whose numpy arrays are large travel through a shared-memory segment (pickle protocol 5, out-of-band
+buffers): the worker writes the arrays once, the training process maps the segment and the
+arrays are read in place, with no copy and no GIL time proportional to their size.
+
+**Failures.** A transform that raises fails the read with its own exception, a note naming
+the dataset index and the worker's traceback as another note (notes travel to the other
+ranks with the step's error). A worker that dies (the OOM killer's SIGKILL: its process
+sentinel fires) or does not answer within ``timeout`` fails the read with
+:class:`TransformWorkerError`; every worker is then stopped, and the next read starts a fresh
+set. ``close()`` stops and reaps every worker within a bounded time (SIGTERM, then SIGKILL),
+and a worker exits by itself when the training process dies (a thread of the worker watches
+the training process's pid).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import mmap
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import threading
+import time
+import traceback
+import uuid
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from evenflow.engine.errors import ConfigError, TransformWorkerError
+from evenflow.transports._remote import NOTE_PREFIX
+
+__all__ = ["TransformPool", "check_transform", "read_samples", "sample_rng", "transform_samples"]
+
+logger = logging.getLogger("evenflow")
+
+#: Out-of-band buffers at least this large in total go through shared memory; smaller
+#: results are cheaper through the pipe.
+SHM_MIN_BYTES = 64 * 1024
+_SHM_DIR = "/dev/shm"
+_PARENT_POLL_S = 0.5
+
+
+def check_transform(transform: Any, workers: int) -> None:
+    """Refuse a transform that is not callable, or that worker processes cannot receive."""
+    if transform is None:
+        return
+    if not callable(transform):
+        raise TypeError(f"transform must be callable, but got {transform!r:.80}.")
+    if workers:
+        try:
+            pickle.dumps(transform)
+        except Exception as exc:
+            raise ConfigError(
+                f"transform={transform!r:.80} cannot be sent to transform_workers={workers} "
+                f"worker processes: pickling it failed ({type(exc).__name__}: {exc}). Define "
+                "it as a module-level function (not a lambda or a closure), or pass "
+                "transform_workers=0 to run it on the loader's threads."
+            ) from exc
+
+
+def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """The random state of dataset index ``index`` in ``epoch``: a function of these three
+    numbers only, so the same on every worker and rank."""
+    return np.random.default_rng([seed, epoch, index])
+
+
+def read_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
+    """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it).
+
+    An error the dataset raises keeps its type and message and gains a note naming the
+    dataset index (or, for one ``__getitems__`` call, the indices) it was reading."""
+    getitems = getattr(dataset, "__getitems__", None)
+    wanted = list(indices)
+    if callable(getitems):
+        try:
+            return list(getitems(wanted))
+        except BaseException as exc:
+            shown = ", ".join(map(str, wanted[:16])) + (", ..." if len(wanted) > 16 else "")
+            exc.add_note(
+                f"{NOTE_PREFIX}raised by dataset.__getitems__ for dataset indices [{shown}]."
+            )
+            raise
+    out = []
+    for i in wanted:
+        try:
+            out.append(dataset[i])
+        except BaseException as exc:
+            exc.add_note(f"{NOTE_PREFIX}raised reading dataset index {i} (dataset[{i}]).")
+            raise
+    return out
+
+
+def transform_samples(
+    samples: list[Any],
+    indices: Sequence[int],
+    transform: Callable[[Any, np.random.Generator], Any],
+    seed: int,
+    epoch: int,
+) -> list[Any]:
+    """``transform(sample, rng)`` for each sample; an error gains a note naming its index."""
+    out = []
+    for sample, index in zip(samples, indices, strict=True):
+        try:
+            out.append(transform(sample, sample_rng(seed, epoch, int(index))))
+        except BaseException as exc:
+            exc.add_note(f"{NOTE_PREFIX}raised by the transform on dataset index {index}.")
+            raise
+    return out
+
+
+# -- the worker process ---------------------------------------------------------------------
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit this worker when the training process is gone (even inside a long transform):
+    its pid no longer exists, or this worker was re-parented (its direct parent, the
+    training process or the fork server, died)."""
+    first_parent = os.getppid()
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        try:
+            os.kill(parent_pid, 0)
+        except ProcessLookupError:
+            os._exit(1)
+        except PermissionError:  # the pid exists (reused by another user's process)
+            pass
+        if os.getppid() != first_parent:
+            os._exit(1)
+
+
+def _worker_main(
+    conn: multiprocessing.connection.Connection,
+    dataset: Any,
+    transform: Callable[[Any, np.random.Generator], Any] | None,
+    seed: int,
+    parent_pid: int,
+) -> None:
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the training process closed the pipe or died
+            return
+        if message is None:
+            return
+        task, epoch, indices = message
+        try:
+            samples = read_samples(dataset, indices)
+            out = (
+                samples
+                if transform is None
+                else transform_samples(samples, indices, transform, seed, epoch)
+            )
+            reply = ("ok", task, _pack(out))
+        except Exception as exc:
+            reply = ("error", task, _portable(exc), traceback.format_exc())
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return
+        except Exception as exc:  # the samples cannot be pickled
+            conn.send(("error", task, _portable(exc), traceback.format_exc()))
+
+
+def _portable(exc: BaseException) -> BaseException:
+    """``exc`` if it survives pickling (with its notes), else a RuntimeError saying what it
+    was."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        replacement = RuntimeError(f"{type(exc).__name__}: {exc}")
+        for note in getattr(exc, "__notes__", []):
+            replacement.add_note(note)
+        return replacement
+
+
+def _pack(samples: list[Any]) -> tuple[Any, ...]:
+    """The samples as ``("pickle", data)``, or ``("shm", data, name, bounds)`` when their
+    out-of-band buffers are large: written once into a shared-memory file the parent maps."""
+    buffers: list[pickle.PickleBuffer] = []
+    data = pickle.dumps(samples, protocol=5, buffer_callback=buffers.append)
+    views = [b.raw() for b in buffers]
+    total = sum(v.nbytes for v in views)
+    if total < SHM_MIN_BYTES or not os.path.isdir(_SHM_DIR):
+        return ("pickle", pickle.dumps(samples, protocol=5))
+    name = f"evenflow-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    fd = os.open(os.path.join(_SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        with mmap.mmap(fd, total) as segment:
+            bounds, at = [], 0
+            for v in views:
+                segment[at : at + v.nbytes] = v
+                bounds.append((at, at + v.nbytes))
+                at += v.nbytes
+    except BaseException:
+        os.unlink(os.path.join(_SHM_DIR, name))
+        raise
+    finally:
+        os.close(fd)
+    return ("shm", data, name, bounds)
+
+
+def _unpack(packed: tuple[Any, ...]) -> list[Any]:
+    if packed[0] == "pickle":
+        return pickle.loads(packed[1])  # type: ignore[no-any-return]
+    _, data, name, bounds = packed
+    path = os.path.join(_SHM_DIR, name)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        segment = mmap.mmap(fd, bounds[-1][1] if bounds else 1)
+    finally:
+        os.close(fd)
+        os.unlink(path)  # the mapping lives on until its last array is freed
+    view = memoryview(segment)
+    return pickle.loads(data, buffers=[view[a:b] for a, b in bounds])  # type: ignore[no-any-return]
+
+
+# -- the pool, in the training process ------------------------------------------------------
+
+
+class _Worker:
+    def __init__(self, process: Any, conn: multiprocessing.connection.Connection) -> None:
+        self.process = process
+        self.conn = conn
+
+
+class TransformPool:
+    """``workers`` processes that read and transform samples of ``dataset``.
+
+    :meth:`run` is thread-safe (one read at a time, split over every worker); :meth:`close`
+    may be called from any thread, also while a read waits."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        transform: Callable[[Any, np.random.Generator], Any] | None,
+        *,
+        seed: int,
+        workers: int,
+    ) -> None:
+        self._dataset = dataset
+        self._transform = transform
+        self._seed = seed
+        self._num_workers = workers
+        self._lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._workers: list[_Worker] = []
+        self._tasks = itertools.count()
+        self._finalizer: weakref.finalize | None = None
+        #: Seconds the workers spent reading and transforming, as the parent saw it (wall).
+        self.busy_seconds = 0.0
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the running workers (empty before the first read and after close)."""
+        with self._state_lock:
+            return [w.process.pid for w in self._workers]
+
+    def _start(self) -> list[_Worker]:
+        with self._state_lock:
+            if self._workers:
+                return self._workers
+            context = _context()
+            started = []
+            try:
+                for _ in range(self._num_workers):
+                    parent_end, child_end = context.Pipe(duplex=True)
+                    process = context.Process(
+                        target=_worker_main,
+                        args=(child_end, self._dataset, self._transform, self._seed, os.getpid()),
+                        name="evenflow-transform",
+                        daemon=True,
+                    )
+                    process.start()
+                    child_end.close()
+                    started.append(_Worker(process, parent_end))
+            except BaseException:
+                _stop(started, 1.0)
+                raise
+            self._workers = started
+            self._finalizer = weakref.finalize(self, _stop, started, 1.0)
+            return started
+
+    def run(self, indices: Sequence[int], epoch: int, timeout: float) -> list[Any]:
+        """The transformed samples at ``indices``, in order."""
+        wanted = [int(i) for i in indices]
+        if not wanted:
+            return []
+        with self._lock:
+            workers = self._start()
+            chunks = np.array_split(np.arange(len(wanted)), min(len(workers), len(wanted)))
+            pending: dict[Any, tuple[int, _Worker, list[int]]] = {}
+            task = next(self._tasks)
+            for slot, (worker, positions) in enumerate(zip(workers, chunks, strict=False)):
+                chunk = [wanted[p] for p in positions]
+                try:
+                    worker.conn.send((task, epoch, chunk))
+                except (OSError, EOFError):
+                    raise self._lost(worker, chunk, "could not be sent work") from None
+                pending[worker.conn] = (slot, worker, chunk)
+            started = time.monotonic()
+            deadline = started + timeout
+            results: dict[int, list[Any]] = {}
+            failure: BaseException | None = None
+            while pending:
+                sentinels = {entry[1].process.sentinel: entry for entry in pending.values()}
+                left = deadline - time.monotonic()
+                ready = (
+                    multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
+                    if left > 0
+                    else []
+                )
+                if not ready:
+                    hung = next(iter(pending.values()))
+                    raise self._lost(
+                        hung[1], hung[2], f"did not answer within timeout={timeout:g} s (hung)"
+                    )
+                for handle in ready:
+                    entry = pending.get(handle) or sentinels.get(handle)  # type: ignore[call-overload]
+                    if entry is None or entry[1].conn not in pending:
+                        continue
+                    slot, worker, chunk = entry
+                    try:
+                        reply = worker.conn.recv()
+                    except (EOFError, OSError):
+                        raise self._lost(worker, chunk, "died") from None
+                    del pending[worker.conn]
+                    if reply[0] == "ok":
+                        results[slot] = _unpack(reply[2])
+                    elif failure is None:
+                        failure = reply[2]
+                        pid = worker.process.pid
+                        failure.add_note(f"{NOTE_PREFIX}raised in transform worker process {pid}.")
+                        failure.add_note(
+                            f"Traceback in transform worker process {pid}:\n{reply[3].rstrip()}"
+                        )
+            self.busy_seconds += time.monotonic() - started
+            if failure is not None:
+                raise failure
+            return [s for slot in sorted(results) for s in results[slot]]
+
+    def _lost(self, worker: _Worker, chunk: list[int], what: str) -> TransformWorkerError:
+        """Stop every worker (the next read starts fresh ones) and describe the loss."""
+        process = worker.process
+        process.join(0.1)
+        code = process.exitcode
+        how = ""
+        if code is not None and code < 0:
+            how = f" (killed by signal {-code}, e.g. by the OOM killer)"
+        elif code is not None:
+            how = f" (exit code {code})"
+        self._stop_workers(1.0)
+        shown = ", ".join(map(str, chunk[:16])) + (", ..." if len(chunk) > 16 else "")
+        return TransformWorkerError(
+            f"Transform worker process {process.pid} {what}{how} while transforming dataset "
+            f"indices [{shown}]. Every worker was stopped; check the transform's memory use "
+            "and run time (a transform slower than LoaderConfig.timeout counts as hung)."
+        )
+
+    def _stop_workers(self, timeout: float) -> list[int]:
+        with self._state_lock:
+            workers, self._workers = self._workers, []
+            finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        return _stop(workers, timeout)
+
+    def close(self, timeout: float = 5.0) -> list[int]:
+        """Stop and reap every worker within about ``timeout`` seconds (SIGTERM, then
+        SIGKILL); returns their pids. A read waiting on them fails. Safe to call twice; the
+        next read starts fresh workers."""
+        return self._stop_workers(timeout)
+
+
+def _context() -> Any:
+    """``forkserver`` where the platform has it, else ``spawn``; never ``fork``.
+
+    The fork server is a fresh interpreter that imports this module (and with it torch)
+    once; each worker is then forked from it in milliseconds, where a spawned worker would
+    import torch again (about a second each, more on a busy host)."""
+    methods = multiprocessing.get_all_start_methods()
+    if "forkserver" not in methods:
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is None:  # not started: preload us
+        context.set_forkserver_preload([__name__])
+    return context
+
+
+def _stop(workers: list[_Worker], timeout: float) -> list[int]:
+    """Ask, then terminate, then kill ``workers``, reaping each; returns their pids."""
+    for w in workers:
+        with contextlib.suppress(Exception):
+            w.conn.send(None)
+    until = time.monotonic() + max(timeout, 0.0) / 2
+    for w in workers:
+        w.process.join(max(until - time.monotonic(), 0.0))
+    for w in workers:
+        if w.process.is_alive():
+            w.process.terminate()
+    until = time.monotonic() + max(timeout, 0.0) / 2
+    for w in workers:
+        w.process.join(max(until - time.monotonic(), 0.0))
+    for w in workers:
+        if w.process.is_alive():
+            w.process.kill()
+            w.process.join(5.0)
+        w.conn.close()
+    return [w.process.pid for w in workers]
