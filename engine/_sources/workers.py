@@ -16,9 +16,10 @@ fork server imports this module once, so each worker starts in milliseconds inst
 importing torch again. They start on the first read and are reused until ``close()``,
 across epochs and passes. Each worker gets the dataset and the transform once (pickled at
 start, as ``DataLoader`` does under spawn), reads ``dataset[i]`` itself and sends back the
-transformed sample. Samples whose numpy arrays are large travel through a shared-memory segment (pickle protocol 5, out-of-band
-buffers): the worker writes the arrays once, the training process maps the segment and the
-arrays are read in place, with no copy and no GIL time proportional to their size.
+transformed sample. Samples whose numpy arrays are large travel through a shared-memory
+segment (pickle protocol 5, out-of-band buffers): the worker writes the arrays once, the
+training process maps the segment and the arrays are read in place, with no copy and no GIL
+time proportional to their size.
 
 **Failures.** A transform that raises fails the read with its own exception, a note naming
 the dataset index and the worker's traceback as another note (notes travel to the other
