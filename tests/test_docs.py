@@ -208,6 +208,7 @@ _COMMANDS = (
     ["bench", "exchange"],
     ["bench", "pipeline"],
     ["bench", "scale"],
+    ["bench", "transforms"],
 )
 
 
@@ -246,7 +247,7 @@ def test_the_command_runs_as_a_module_too() -> None:
 
 def test_benchmarks_page_has_a_section_per_benchmark() -> None:
     text = _text("benchmarks.md")
-    for name in ("planner", "exchange", "pipeline", "scale"):
+    for name in ("planner", "exchange", "pipeline", "scale", "transforms"):
         heading = re.search(rf"^## {name.capitalize()}\b.*$", text, re.MULTILINE)
         assert heading, f"no section for {name}"
         section = text[heading.end() :].split("\n## ")[0]

@@ -136,6 +136,21 @@ def transform_samples(
 # -- the worker process ---------------------------------------------------------------------
 
 
+def _segment_prefix(pid: int) -> str:
+    return f"evenflow-{pid}-"
+
+
+def _remove_segments(pid: int) -> None:
+    """Unlink the shared-memory segments worker ``pid`` wrote and nobody claimed (the parent
+    unlinks a segment as soon as it maps it, so what is left was never received)."""
+    prefix = _segment_prefix(pid)
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_SHM_DIR):
+            if name.startswith(prefix):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(_SHM_DIR, name))
+
+
 def _watch_parent(parent_pid: int) -> None:
     """Exit this worker when the training process is gone (even inside a long transform):
     its pid no longer exists, or this worker was re-parented (its direct parent, the
@@ -146,10 +161,12 @@ def _watch_parent(parent_pid: int) -> None:
         try:
             os.kill(parent_pid, 0)
         except ProcessLookupError:
+            _remove_segments(os.getpid())
             os._exit(1)
         except PermissionError:  # the pid exists (reused by another user's process)
             pass
         if os.getppid() != first_parent:
+            _remove_segments(os.getpid())
             os._exit(1)
 
 
@@ -209,7 +226,7 @@ def _pack(samples: list[Any]) -> tuple[Any, ...]:
     total = sum(v.nbytes for v in views)
     if total < SHM_MIN_BYTES or not os.path.isdir(_SHM_DIR):
         return ("pickle", pickle.dumps(samples, protocol=5))
-    name = f"evenflow-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    name = f"{_segment_prefix(os.getpid())}{uuid.uuid4().hex[:12]}"
     fd = os.open(os.path.join(_SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.ftruncate(fd, total)
@@ -440,4 +457,6 @@ def _stop(workers: list[_Worker], timeout: float) -> list[int]:
             w.process.kill()
             w.process.join(5.0)
         w.conn.close()
+        if w.process.exitcode is not None:  # results it sent that were never read
+            _remove_segments(w.process.pid)
     return [w.process.pid for w in workers]

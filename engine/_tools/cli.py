@@ -24,6 +24,10 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
         "step time and data stall of the pipeline",
     ),
     "scale": ("evenflow.engine._tools.bench.scale", "planning and traffic at 8 to 1,024 ranks"),
+    "transforms": (
+        "evenflow.engine._tools.bench.transforms",
+        "heavy per-sample transforms: threads, worker processes, DataLoader",
+    ),
 }
 
 
