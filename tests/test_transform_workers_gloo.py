@@ -208,10 +208,13 @@ def _resume_rank(rank: int, num_ranks: int, arms: list[Any]) -> list[Any]:
 
 def _failing(rank: int, num_ranks: int, how: str, mode: str) -> dict[str, Any]:
     """An epoch whose transform fails as ``how`` says; what each rank raised, and where."""
+    # The failing sample is read at step 3 (by rank 0): the workers have delivered steps by
+    # then, with transforms of later steps in flight.
+    bad = int(_source(rank, num_ranks, mode, 0).step_indices(3, rank=0)[0][0])
     if how == "raise":
-        source = _source(rank, num_ranks, mode, 2, functools.partial(noisy, bad=BAD))
+        source = _source(rank, num_ranks, mode, 2, functools.partial(noisy, bad=bad))
     elif how == "hang":
-        source = _source(rank, num_ranks, mode, 2, functools.partial(stuck, bad=BAD))
+        source = _source(rank, num_ranks, mode, 2, functools.partial(stuck, bad=bad))
     else:
         source = _source(rank, num_ranks, mode, 2)
     loader = _loader(source, timeout=4.0 if how == "hang" else 30.0)
@@ -235,11 +238,8 @@ def _failing(rank: int, num_ranks: int, how: str, mode: str) -> dict[str, Any]:
         "step": getattr(error, "step", None),
         "pids": sorted(pids),
         "gone": _gone(sorted(pids)),
+        "bad": bad,
     }
-
-
-#: The dataset index whose transform fails.
-BAD = 77
 
 
 @pytest.mark.parametrize(
@@ -261,7 +261,7 @@ def test_a_failing_worker_fails_every_rank_at_one_step_and_leaves_no_process(
     for r in results:
         assert r["pids"] and r["gone"], r  # the workers are reaped: no orphan
         if how == "raise":
-            assert f"dataset index {BAD}" in r["text"], r["text"]
+            assert f"dataset index {r['bad']}" in r["text"], r["text"]
             assert "this sample cannot be transformed" in r["text"]
         else:
             assert "TransformWorkerError" in r["type"] + r["text"], r

@@ -37,12 +37,8 @@ from evenflow.engine._sources._common import (
 from evenflow.engine._sources._lengths import default_length, fingerprint, read_lengths
 from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
-from evenflow.engine._sources.workers import (
-    TransformPool,
-    check_transform,
-    read_samples,
-    transform_samples,
-)
+from evenflow.engine._sources.transform_pool import Ticket, TransformPool
+from evenflow.engine._sources.workers import check_transform, read_samples, transform_samples
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
 
@@ -357,8 +353,9 @@ class DatasetSource:
 
     @property
     def transform_seconds(self) -> float:
-        """Wall seconds reads have waited for the transform workers so far."""
-        return 0.0 if self._pool is None else self._pool.busy_seconds
+        """Wall seconds reads have waited for the transform workers so far (time the
+        transforms were not ahead of the reads)."""
+        return 0.0 if self._pool is None else self._pool.wait_seconds
 
     def bind_workers(self, *, timeout: float) -> None:
         """Called by the loader: a transform worker that does not answer within ``timeout``
@@ -412,6 +409,21 @@ class DatasetSource:
         return self._steps(plan, start)
 
     def _steps(self, plan: _Epoch, start: int) -> Iterator[list[list[Any]]]:
+        ahead: dict[int, Ticket] = {}  # steps submitted to the transform workers
+        try:
+            yield from self._step_items(plan, start, ahead)
+        finally:
+            if self._pool is not None:
+                for ticket in ahead.values():  # read ahead, never collected
+                    self._pool.drop(ticket)
+
+    def _step_items(
+        self, plan: _Epoch, start: int, ahead: dict[int, Ticket]
+    ) -> Iterator[list[list[Any]]]:
+        # With workers in payload mode, the next steps' samples are submitted before this
+        # one is collected, so the workers are never idle while the loader plans and packs
+        # (2 steps per worker ahead, as DataLoader's prefetch_factor=2).
+        lookahead = 2 * self._transform_workers if not self._yield_indices else 0
         for step in range(start, plan.num_steps):
             bins = self.step_indices(step)
             sizes = [len(b) for b in bins]
@@ -422,6 +434,14 @@ class DatasetSource:
                 items: list[Any] = [
                     IndexedSample(i, n) for i, n in zip(flat.tolist(), tokens, strict=True)
                 ]
+            elif lookahead:
+                pool = self._workers()
+                for later in range(step, min(step + 1 + lookahead, plan.num_steps)):
+                    if later not in ahead:
+                        wanted = np.concatenate(self.step_indices(later)).tolist()
+                        ahead[later] = pool.submit(wanted, plan.epoch)
+                items = pool.collect(ahead.pop(step), self._transform_timeout)
+                self._memo.remember(items, tokens)
             else:
                 items = self.read(flat.tolist(), epoch=plan.epoch)
                 self._memo.remember(items, tokens)

@@ -34,7 +34,6 @@ the training process's pid).
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import mmap
 import multiprocessing
@@ -45,16 +44,25 @@ import threading
 import time
 import traceback
 import uuid
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from evenflow.engine.errors import ConfigError, TransformWorkerError
+from evenflow.engine.errors import ConfigError
 from evenflow.transports._remote import NOTE_PREFIX
 
-__all__ = ["TransformPool", "check_transform", "read_samples", "sample_rng", "transform_samples"]
+__all__ = [
+    "check_transform",
+    "read_samples",
+    "remove_segments",
+    "sample_rng",
+    "start_context",
+    "stop_workers",
+    "transform_samples",
+    "unpack",
+    "worker_main",
+]
 
 logger = logging.getLogger("evenflow")
 
@@ -140,7 +148,7 @@ def _segment_prefix(pid: int) -> str:
     return f"evenflow-{pid}-"
 
 
-def _remove_segments(pid: int) -> None:
+def remove_segments(pid: int) -> None:
     """Unlink the shared-memory segments worker ``pid`` wrote and nobody claimed (the parent
     unlinks a segment as soon as it maps it, so what is left was never received)."""
     prefix = _segment_prefix(pid)
@@ -161,16 +169,16 @@ def _watch_parent(parent_pid: int) -> None:
         try:
             os.kill(parent_pid, 0)
         except ProcessLookupError:
-            _remove_segments(os.getpid())
+            remove_segments(os.getpid())
             os._exit(1)
         except PermissionError:  # the pid exists (reused by another user's process)
             pass
         if os.getppid() != first_parent:
-            _remove_segments(os.getpid())
+            remove_segments(os.getpid())
             os._exit(1)
 
 
-def _worker_main(
+def worker_main(
     conn: multiprocessing.connection.Connection,
     dataset: Any,
     transform: Callable[[Any, np.random.Generator], Any] | None,
@@ -244,7 +252,7 @@ def _pack(samples: list[Any]) -> tuple[Any, ...]:
     return ("shm", data, name, bounds)
 
 
-def _unpack(packed: tuple[Any, ...]) -> list[Any]:
+def unpack(packed: tuple[Any, ...]) -> list[Any]:
     if packed[0] == "pickle":
         return pickle.loads(packed[1])  # type: ignore[no-any-return]
     _, data, name, bounds = packed
@@ -259,168 +267,7 @@ def _unpack(packed: tuple[Any, ...]) -> list[Any]:
     return pickle.loads(data, buffers=[view[a:b] for a, b in bounds])  # type: ignore[no-any-return]
 
 
-# -- the pool, in the training process ------------------------------------------------------
-
-
-class _Worker:
-    def __init__(self, process: Any, conn: multiprocessing.connection.Connection) -> None:
-        self.process = process
-        self.conn = conn
-
-
-class TransformPool:
-    """``workers`` processes that read and transform samples of ``dataset``.
-
-    :meth:`run` is thread-safe (one read at a time, split over every worker); :meth:`close`
-    may be called from any thread, also while a read waits."""
-
-    def __init__(
-        self,
-        dataset: Any,
-        transform: Callable[[Any, np.random.Generator], Any] | None,
-        *,
-        seed: int,
-        workers: int,
-    ) -> None:
-        self._dataset = dataset
-        self._transform = transform
-        self._seed = seed
-        self._num_workers = workers
-        self._lock = threading.Lock()
-        self._state_lock = threading.Lock()
-        self._workers: list[_Worker] = []
-        self._tasks = itertools.count()
-        self._finalizer: weakref.finalize | None = None
-        #: Seconds the workers spent reading and transforming, as the parent saw it (wall).
-        self.busy_seconds = 0.0
-
-    @property
-    def num_workers(self) -> int:
-        return self._num_workers
-
-    @property
-    def pids(self) -> list[int]:
-        """Process ids of the running workers (empty before the first read and after close)."""
-        with self._state_lock:
-            return [w.process.pid for w in self._workers]
-
-    def _start(self) -> list[_Worker]:
-        with self._state_lock:
-            if self._workers:
-                return self._workers
-            context = _context()
-            started = []
-            try:
-                for _ in range(self._num_workers):
-                    parent_end, child_end = context.Pipe(duplex=True)
-                    process = context.Process(
-                        target=_worker_main,
-                        args=(child_end, self._dataset, self._transform, self._seed, os.getpid()),
-                        name="evenflow-transform",
-                        daemon=True,
-                    )
-                    process.start()
-                    child_end.close()
-                    started.append(_Worker(process, parent_end))
-            except BaseException:
-                _stop(started, 1.0)
-                raise
-            self._workers = started
-            self._finalizer = weakref.finalize(self, _stop, started, 1.0)
-            return started
-
-    def run(self, indices: Sequence[int], epoch: int, timeout: float) -> list[Any]:
-        """The transformed samples at ``indices``, in order."""
-        wanted = [int(i) for i in indices]
-        if not wanted:
-            return []
-        with self._lock:
-            workers = self._start()
-            chunks = np.array_split(np.arange(len(wanted)), min(len(workers), len(wanted)))
-            pending: dict[Any, tuple[int, _Worker, list[int]]] = {}
-            task = next(self._tasks)
-            for slot, (worker, positions) in enumerate(zip(workers, chunks, strict=False)):
-                chunk = [wanted[p] for p in positions]
-                try:
-                    worker.conn.send((task, epoch, chunk))
-                except (OSError, EOFError):
-                    raise self._lost(worker, chunk, "could not be sent work") from None
-                pending[worker.conn] = (slot, worker, chunk)
-            started = time.monotonic()
-            deadline = started + timeout
-            results: dict[int, list[Any]] = {}
-            failure: BaseException | None = None
-            while pending:
-                sentinels = {entry[1].process.sentinel: entry for entry in pending.values()}
-                left = deadline - time.monotonic()
-                ready = (
-                    multiprocessing.connection.wait([*pending, *sentinels], timeout=left)
-                    if left > 0
-                    else []
-                )
-                if not ready:
-                    hung = next(iter(pending.values()))
-                    raise self._lost(
-                        hung[1], hung[2], f"did not answer within timeout={timeout:g} s (hung)"
-                    )
-                for handle in ready:
-                    entry = pending.get(handle) or sentinels.get(handle)  # type: ignore[call-overload]
-                    if entry is None or entry[1].conn not in pending:
-                        continue
-                    slot, worker, chunk = entry
-                    try:
-                        reply = worker.conn.recv()
-                    except (EOFError, OSError):
-                        raise self._lost(worker, chunk, "died") from None
-                    del pending[worker.conn]
-                    if reply[0] == "ok":
-                        results[slot] = _unpack(reply[2])
-                    elif failure is None:
-                        failure = reply[2]
-                        pid = worker.process.pid
-                        failure.add_note(f"{NOTE_PREFIX}raised in transform worker process {pid}.")
-                        failure.add_note(
-                            f"Traceback in transform worker process {pid}:\n{reply[3].rstrip()}"
-                        )
-            self.busy_seconds += time.monotonic() - started
-            if failure is not None:
-                raise failure
-            return [s for slot in sorted(results) for s in results[slot]]
-
-    def _lost(self, worker: _Worker, chunk: list[int], what: str) -> TransformWorkerError:
-        """Stop every worker (the next read starts fresh ones) and describe the loss."""
-        process = worker.process
-        process.join(0.1)
-        code = process.exitcode
-        how = ""
-        if code is not None and code < 0:
-            how = f" (killed by signal {-code}, e.g. by the OOM killer)"
-        elif code is not None:
-            how = f" (exit code {code})"
-        self._stop_workers(1.0)
-        shown = ", ".join(map(str, chunk[:16])) + (", ..." if len(chunk) > 16 else "")
-        return TransformWorkerError(
-            f"Transform worker process {process.pid} {what}{how} while transforming dataset "
-            f"indices [{shown}]. Every worker was stopped; check the transform's memory use "
-            "and run time (a transform slower than LoaderConfig.timeout counts as hung)."
-        )
-
-    def _stop_workers(self, timeout: float) -> list[int]:
-        with self._state_lock:
-            workers, self._workers = self._workers, []
-            finalizer, self._finalizer = self._finalizer, None
-        if finalizer is not None:
-            finalizer.detach()
-        return _stop(workers, timeout)
-
-    def close(self, timeout: float = 5.0) -> list[int]:
-        """Stop and reap every worker within about ``timeout`` seconds (SIGTERM, then
-        SIGKILL); returns their pids. A read waiting on them fails. Safe to call twice; the
-        next read starts fresh workers."""
-        return self._stop_workers(timeout)
-
-
-def _context() -> Any:
+def start_context() -> Any:
     """``forkserver`` where the platform has it, else ``spawn``; never ``fork``.
 
     The fork server is a fresh interpreter that imports this module (and with it torch)
@@ -438,7 +285,7 @@ def _context() -> Any:
     return context
 
 
-def _stop(workers: list[_Worker], timeout: float) -> list[int]:
+def stop_workers(workers: list[Any], timeout: float) -> list[int]:
     """Ask, then terminate, then kill ``workers``, reaping each; returns their pids."""
     for w in workers:
         with contextlib.suppress(Exception):
@@ -458,5 +305,5 @@ def _stop(workers: list[_Worker], timeout: float) -> list[int]:
             w.process.join(5.0)
         w.conn.close()
         if w.process.exitcode is not None:  # results it sent that were never read
-            _remove_segments(w.process.pid)
+            remove_segments(w.process.pid)
     return [w.process.pid for w in workers]
