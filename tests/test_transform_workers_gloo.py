@@ -298,3 +298,33 @@ def test_close_mid_epoch_reaps_stuck_workers_within_its_deadline() -> None:
     took = time.monotonic() - started
     assert _gone(pids)
     assert took < 30.0, took  # close_timeout=2 s: generous margin on a shared 2-core host
+
+
+_ORPHAN_SCRIPT = """
+import os, sys
+sys.path[:0] = {path!r}
+from evenflow.engine import DatasetSource
+from {module} import _dataset, noisy
+source = DatasetSource(_dataset(), seq_len=64, bins_per_rank=2, transform=noisy, transform_workers=2)
+source.read(range(8))
+print(" ".join(map(str, source.worker_pids)), flush=True)
+os._exit(0)  # dies without closing anything: the workers must notice and exit
+"""
+
+
+def test_workers_exit_when_the_training_process_dies(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = _ORPHAN_SCRIPT.format(path=sys.path, module=__name__)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+    # The workers watch the parent's pid every 0.5 s; allow a generous 30 s on a busy host.
+    until = time.monotonic() + 30.0
+    while not _gone(pids) and time.monotonic() < until:
+        time.sleep(0.1)
+    assert _gone(pids), f"transform workers {pids} outlived their training process"

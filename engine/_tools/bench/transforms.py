@@ -133,10 +133,10 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
     import torch.distributed as dist
 
     from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig
-    from evenflow.engine._sources.workers import _context
+    from evenflow.engine._sources.workers import start_context
     from evenflow.transports import GlooTransport
 
-    _context()  # one fork server, preloaded, for the DataLoader's workers and evenflow's
+    start_context()  # one fork server, preloaded, for the DataLoader's workers and evenflow's
     torch.manual_seed(0)
     torch.set_num_threads(1)
     model = torch.nn.Sequential(
