@@ -305,7 +305,8 @@ import os, sys
 sys.path[:0] = {path!r}
 from evenflow.engine import DatasetSource
 from {module} import _dataset, noisy
-source = DatasetSource(_dataset(), seq_len=64, bins_per_rank=2, transform=noisy, transform_workers=2)
+source = DatasetSource(_dataset(), seq_len=64, bins_per_rank=2, transform=noisy,
+                       transform_workers=2)
 source.read(range(8))
 print(" ".join(map(str, source.worker_pids)), flush=True)
 os._exit(0)  # dies without closing anything: the workers must notice and exit
