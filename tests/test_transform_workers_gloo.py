@@ -329,3 +329,41 @@ def test_workers_exit_when_the_training_process_dies(tmp_path: Any) -> None:
     while not _gone(pids) and time.monotonic() < until:
         time.sleep(0.1)
     assert _gone(pids), f"transform workers {pids} outlived their training process"
+
+
+def slow(sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
+    time.sleep(0.03)  # a transform slower than the (empty) training step
+    return noisy(sample, rng)
+
+
+def test_the_pass_summary_reports_transform_time_and_warns_when_transforms_set_the_pace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig
+
+    source = DatasetSource(_dataset(), seed=SEED, transform=slow, transform_workers=1)
+    config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False, max_steps=16)
+    loader = BalancedLoader(source, config=config, metadata_fn=source.metadata_fn, pack_fn=_pack)
+    with caplog.at_level("WARNING", logger="evenflow"), loader:
+        steps = sum(1 for _ in loader)
+    assert steps == 16
+    report = loader.last_pass.transform
+    assert report is not None and report.workers == 1
+    assert report.busy_s >= 0.03 * 16  # at least the sleeps of the samples delivered
+    assert report.wait_s > 0.2 * report.elapsed_s
+    assert any("transforms were the bottleneck" in r.getMessage() for r in caplog.records)
+    assert "transforms took" in loader.last_pass.log_line()
+
+
+def test_a_transform_workers_cannot_receive_is_refused_at_construction() -> None:
+    from evenflow.engine import DatasetSource
+    from evenflow.engine.errors import ConfigError
+
+    rows = [{"input_ids": [1, 2]}] * 4
+    with pytest.raises(ConfigError, match=r"transform=.*transform_workers=2.*module-level"):
+        DatasetSource(rows, transform=lambda s, rng: s, transform_workers=2)
+    with pytest.raises(ConfigError, match="transform_workers"):
+        DatasetSource(rows, transform=noisy, transform_workers=-1)
+    with pytest.raises(TypeError, match="transform must be callable"):
+        DatasetSource(rows, transform="tokenize")
+    DatasetSource(rows, transform=lambda s, rng: s)  # in process: any callable

@@ -43,6 +43,7 @@ from evenflow.engine._pipeline.stats import BalanceTally, StepStats
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine._pipeline.world import WorldRound
 from evenflow.engine._sources._common import SourceReport
+from evenflow.engine._sources.transform_pool import TransformReport
 from evenflow.engine._tracing import StallMeter
 from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
@@ -583,6 +584,7 @@ class BalancedLoader(LoaderFacade):
             num_outlier_bound_steps=self._pass_balance.to_dict()["outlier_bound"],
             outlier_cost_fraction=self._pass_balance.outlier_cost_fraction,
             num_zero_loss_steps=self._pass_zero_loss,
+            transform=_transform_report(self._source),
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -689,6 +691,12 @@ class BalancedLoader(LoaderFacade):
             f"<BalancedLoader {state} rank={self._transport.rank}/"
             f"{self._transport.num_ranks} step={self._delivered}>"
         )
+
+
+def _transform_report(source: Any) -> TransformReport | None:
+    """The pass's transform time on this rank, from a source with a transform."""
+    report = getattr(source, "transform_report", None)
+    return report if isinstance(report, TransformReport) else None
 
 
 def _bind_source(

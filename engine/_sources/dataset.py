@@ -37,8 +37,8 @@ from evenflow.engine._sources._common import (
 from evenflow.engine._sources._lengths import default_length, fingerprint, read_lengths
 from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
-from evenflow.engine._sources.transform_pool import Ticket, TransformPool
-from evenflow.engine._sources.workers import check_transform, read_samples, transform_samples
+from evenflow.engine._sources.transform_pool import Ticket, TransformReport
+from evenflow.engine._sources.transforms import SampleTransforms
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
 
@@ -167,11 +167,12 @@ class DatasetSource:
                 "token counts only, or use shared=False."
             )
         self._dataset = dataset
-        self._transform = transform
-        self._transform_workers = check_int("transform_workers", transform_workers, minimum=0)
-        check_transform(transform, self._transform_workers)
-        self._pool: TransformPool | None = None
-        self._transform_timeout = 300.0  # LoaderConfig.timeout, once a loader binds
+        self._transforms = SampleTransforms(
+            dataset,
+            transform,
+            workers=check_int("transform_workers", transform_workers, minimum=0),
+            seed=self._seed,
+        )
         self._lengths = read_lengths(
             dataset, lengths=lengths, length_column=length_column, length_fn=length_fn
         )
@@ -331,52 +332,34 @@ class DatasetSource:
         note naming the dataset index (or, for one ``__getitems__`` call, the indices) it
         was reading; from a worker it also keeps the worker's traceback as a note. A worker
         that dies or hangs past ``LoaderConfig.timeout`` raises ``TransformWorkerError``."""
-        wanted = [int(i) for i in indices]
-        epoch = self._epoch if epoch is None else epoch
-        if self._transform_workers:
-            return self._workers().run(wanted, epoch, self._transform_timeout)
-        samples = read_samples(self._dataset, wanted)
-        if self._transform is None:
-            return samples
-        return transform_samples(samples, wanted, self._transform, self._seed, epoch)
+        return self._transforms.read(indices, self._epoch if epoch is None else epoch)
 
     @property
     def transform_workers(self) -> int:
         """Worker processes that read and transform samples (``0``: the loader's threads)."""
-        return self._transform_workers
+        return self._transforms.workers
 
     @property
     def worker_pids(self) -> list[int]:
         """Process ids of the running transform workers (empty before the first read, after
         ``close_workers()`` and with ``transform_workers=0``)."""
-        return [] if self._pool is None else self._pool.pids
+        return self._transforms.pids
 
     @property
-    def transform_seconds(self) -> float:
-        """Wall seconds reads have waited for the transform workers so far (time the
-        transforms were not ahead of the reads)."""
-        return 0.0 if self._pool is None else self._pool.wait_seconds
+    def transform_report(self) -> TransformReport | None:
+        """The transform time of the current pass on this rank (from its first read), or
+        ``None`` without a transform or before the pass's first read."""
+        return self._transforms.report
 
     def bind_workers(self, *, timeout: float) -> None:
         """Called by the loader: a transform worker that does not answer within ``timeout``
         seconds (``LoaderConfig.timeout``) counts as hung."""
-        self._transform_timeout = float(timeout)
+        self._transforms.timeout = float(timeout)
 
     def close_workers(self, timeout: float = 5.0) -> list[int]:
         """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
         ``close()`` calls this); returns their pids. The next read starts fresh ones."""
-        pool = self._pool
-        return [] if pool is None else pool.close(timeout)
-
-    def _workers(self) -> TransformPool:
-        if self._pool is None:
-            self._pool = TransformPool(
-                self._dataset,
-                self._transform,
-                seed=self._seed,
-                workers=self._transform_workers,
-            )
-        return self._pool
+        return self._transforms.close(timeout)
 
     def last_read_indices(self) -> npt.NDArray[np.int64] | None:
         """The dataset indices of the step the iterator yielded last, in sample order (the
@@ -410,12 +393,12 @@ class DatasetSource:
 
     def _steps(self, plan: _Epoch, start: int) -> Iterator[list[list[Any]]]:
         ahead: dict[int, Ticket] = {}  # steps submitted to the transform workers
+        self._transforms.start_pass()
         try:
             yield from self._step_items(plan, start, ahead)
         finally:
-            if self._pool is not None:
-                for ticket in ahead.values():  # read ahead, never collected
-                    self._pool.drop(ticket)
+            self._transforms.drop(ahead)
+            self._transforms.warn_if_bottleneck(plan.epoch, self._rank)
 
     def _step_items(
         self, plan: _Epoch, start: int, ahead: dict[int, Ticket]
@@ -423,7 +406,7 @@ class DatasetSource:
         # With workers in payload mode, the next steps' samples are submitted before this
         # one is collected, so the workers are never idle while the loader plans and packs
         # (2 steps per worker ahead, as DataLoader's prefetch_factor=2).
-        lookahead = 2 * self._transform_workers if not self._yield_indices else 0
+        lookahead = 2 * self._transforms.workers if not self._yield_indices else 0
         for step in range(start, plan.num_steps):
             bins = self.step_indices(step)
             sizes = [len(b) for b in bins]
@@ -435,12 +418,11 @@ class DatasetSource:
                     IndexedSample(i, n) for i, n in zip(flat.tolist(), tokens, strict=True)
                 ]
             elif lookahead:
-                pool = self._workers()
-                for later in range(step, min(step + 1 + lookahead, plan.num_steps)):
-                    if later not in ahead:
-                        wanted = np.concatenate(self.step_indices(later)).tolist()
-                        ahead[later] = pool.submit(wanted, plan.epoch)
-                items = pool.collect(ahead.pop(step), self._transform_timeout)
+                later = [
+                    np.concatenate(self.step_indices(s)).tolist() if s not in ahead else []
+                    for s in range(step, min(step + 1 + lookahead, plan.num_steps))
+                ]
+                items = self._transforms.read_ahead(step, later, ahead, plan.epoch)
                 self._memo.remember(items, tokens)
             else:
                 items = self.read(flat.tolist(), epoch=plan.epoch)

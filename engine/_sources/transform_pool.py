@@ -32,7 +32,7 @@ from evenflow.engine._sources.workers import start_context, stop_workers, unpack
 from evenflow.engine.errors import TransformWorkerError
 from evenflow.transports._remote import NOTE_PREFIX
 
-__all__ = ["Ticket", "TransformPool"]
+__all__ = ["Ticket", "TransformPool", "TransformReport"]
 
 
 class _Worker:
@@ -48,6 +48,52 @@ class Ticket:
 
     generation: int
     parts: tuple[tuple[_Worker, int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class TransformReport:
+    """Where a rank's transform time went during a pass (``DatasetSource.transform_report``).
+
+    ``busy_s``: seconds spent reading and transforming samples (in the workers, or on the
+    loader's threads with ``workers=0``). ``wait_s``: seconds the source's reads waited for
+    workers that had not finished (``0.0`` without workers): time the transforms were not
+    ahead. ``elapsed_s``: seconds since the pass's first read.
+    """
+
+    workers: int
+    busy_s: float
+    wait_s: float
+    elapsed_s: float
+
+    @property
+    def saturation(self) -> float | None:
+        """Share of the workers' time spent working (``None`` without workers)."""
+        if not self.workers or self.elapsed_s <= 0:
+            return None
+        return min(self.busy_s / (self.workers * self.elapsed_s), 1.0)
+
+    @property
+    def bottleneck(self) -> bool:
+        """Reads waited for the workers for over 20% of the pass (at least a second long)
+        while the workers were busy at least half the time: the transforms, not the loader
+        or the training step, set the pace. (Waits with idle workers are the round trip of
+        cheap transforms, which more workers would not shorten.)"""
+        saturation = self.saturation
+        return (
+            self.elapsed_s >= 1.0
+            and self.wait_s > 0.2 * self.elapsed_s
+            and saturation is not None
+            and saturation >= 0.5
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "busy_s": self.busy_s,
+            "wait_s": self.wait_s,
+            "elapsed_s": self.elapsed_s,
+            "saturation": self.saturation,
+        }
 
 
 class TransformPool:
@@ -78,6 +124,12 @@ class TransformPool:
         self._closing = False
         #: Wall seconds callers waited in :meth:`collect` (time the transforms were not ahead).
         self.wait_seconds = 0.0
+        #: Seconds the workers spent reading and transforming the results collected.
+        self.busy_seconds = 0.0
+
+    @property
+    def num_workers(self) -> int:
+        return self._num_workers
 
     @property
     def pids(self) -> list[int]:
@@ -165,6 +217,7 @@ class TransformPool:
                     )
                     raise failure
                 out.extend(unpack(reply[2]))
+                self.busy_seconds += reply[3]
         finally:
             self.wait_seconds += time.monotonic() - started
         return out

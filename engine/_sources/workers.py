@@ -194,6 +194,7 @@ def worker_main(
         if message is None:
             return
         task, epoch, indices = message
+        started = time.perf_counter()
         try:
             samples = read_samples(dataset, indices)
             out = (
@@ -201,7 +202,7 @@ def worker_main(
                 if transform is None
                 else transform_samples(samples, indices, transform, seed, epoch)
             )
-            reply = ("ok", task, _pack(out))
+            reply = ("ok", task, _pack(out), time.perf_counter() - started)
         except Exception as exc:
             reply = ("error", task, _portable(exc), traceback.format_exc())
         try:
