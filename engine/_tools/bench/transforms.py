@@ -13,7 +13,10 @@ arm once per round):
   the transform on the loader's threads, inside the training process;
 * ``workers-N``: evenflow with ``transform_workers=N`` worker processes.
 
-Figures per arm (median over rounds of per-round medians, steps after the first ``_WARMUP``):
+Figures per arm (median over rounds; within a round, the steps after the first ``_WARMUP``,
+as a mean: queues filled during the warm-up, by the DataLoader's ``2·N`` batches and
+evenflow's ``2·N`` steps read ahead alike, are drained over many steps, so a run needs many
+more steps than ``2·N`` to show the steady state):
 step time, throughput (samples per second) and its ratio to ``dataloader-N`` at equal N (per
 sample, since a DataLoader step holds a fixed number of samples and an evenflow step as many
 as its packed bins hold), data stall (time the training loop
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import logging
 import os
 import statistics
 import sys
@@ -43,9 +47,14 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine._config import LoaderConfig
+from evenflow.engine._pipeline.loader import BalancedLoader
+from evenflow.engine._sources.dataset import DatasetSource
+from evenflow.engine._sources.workers import start_context
 from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError
+from evenflow.transports._gloo import GlooTransport
 from evenflow.transports.launch import LaunchError, run_ranks
 
 __all__ = ["burn", "main"]
@@ -132,10 +141,8 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
     import torch
     import torch.distributed as dist
 
-    from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig
-    from evenflow.engine._sources.workers import start_context
-    from evenflow.transports import GlooTransport
-
+    # The source's "transforms were the bottleneck" WARNING is expected in most arms here.
+    logging.getLogger("evenflow").setLevel(logging.ERROR)
     start_context()  # one fork server, preloaded, for the DataLoader's workers and evenflow's
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -170,7 +177,7 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
             waits.append(t1 - t0)
             other_cpu.append(time.process_time() - p0 - train_cpu)
         walls, waits, other_cpu = walls[_WARMUP:], waits[_WARMUP:], other_cpu[_WARMUP:]
-        step = statistics.median(walls)
+        step = sum(walls) / len(walls)
         return {
             "step_time_s": step,
             "data_stall": sum(waits) / sum(walls),
@@ -191,6 +198,8 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
 
                     data = _Data(lengths, loops, transformed=True)
                     sampler = DistributedSampler(data, num_ranks, rank, shuffle=True, seed=0)
+                    # torch warns when N exceeds the core count: the arms compare N anyway.
+                    warnings.filterwarnings("ignore", "This DataLoader will create")
                     loader = DataLoader(
                         data,
                         batch_size=per_step,
@@ -200,10 +209,7 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
                         multiprocessing_context="forkserver",
                         prefetch_factor=2,
                     )
-                    with warnings.catch_warnings():
-                        # torch warns when N exceeds its core count: the arms compare N anyway.
-                        warnings.filterwarnings("ignore", "This DataLoader will create")
-                        out = timed(loader)
+                    out = timed(loader)
                     out["samples_per_step"] = per_step
                     del loader
                 else:
@@ -344,7 +350,7 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         help="worker counts N compared (default 1 2 4; 1 with --quick)",
     )
     parser.add_argument(
-        "--steps", type=int, default=None, help="steps per arm (default 24, 8 with --quick)"
+        "--steps", type=int, default=None, help="steps per arm (default 60, 8 with --quick)"
     )
     parser.add_argument(
         "--rounds", type=int, default=None, help="alternated rounds (default 2, 1 with --quick)"
@@ -366,7 +372,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench transfor
         return int(exc.code or 0)
     work = args.work_ms if args.work_ms is not None else ([2.0] if args.quick else [0, 2, 10, 20])
     workers = args.workers if args.workers is not None else ([1] if args.quick else [1, 2, 4])
-    steps = args.steps if args.steps is not None else (8 if args.quick else 24)
+    steps = args.steps if args.steps is not None else (8 if args.quick else 60)
     rounds = args.rounds if args.rounds is not None else (1 if args.quick else 2)
     try:
         check_int("--steps", steps, minimum=_WARMUP + 2)
