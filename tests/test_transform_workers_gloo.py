@@ -339,11 +339,15 @@ def slow(sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
 def test_the_pass_summary_reports_transform_time_and_warns_when_transforms_set_the_pace(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig
+    from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig, Tracer
 
     source = DatasetSource(_dataset(), seed=SEED, transform=slow, transform_workers=1)
     config = LoaderConfig(seq_len=SEQ_LEN, bins_per_rank=2, log_stats=False, max_steps=16)
-    loader = BalancedLoader(source, config=config, metadata_fn=source.metadata_fn, pack_fn=_pack)
+    tracer = Tracer()
+    began = time.perf_counter()
+    loader = BalancedLoader(
+        source, config=config, metadata_fn=source.metadata_fn, pack_fn=_pack, tracer=tracer
+    )
     with caplog.at_level("WARNING", logger="evenflow"), loader:
         steps = sum(1 for _ in loader)
     assert steps == 16
@@ -353,6 +357,11 @@ def test_the_pass_summary_reports_transform_time_and_warns_when_transforms_set_t
     assert report.wait_s > 0.2 * report.elapsed_s
     assert any("transforms were the bottleneck" in r.getMessage() for r in caplog.records)
     assert "transforms took" in loader.last_pass.log_line()
+    # The trace has the worker's track: one span per step it transformed, on the worker's clock.
+    spans = [span for span in tracer.spans() if span.stage == "transform.w0"]
+    assert {span.step for span in spans} >= set(range(16))
+    assert all(span.end - span.start >= 0.03 for span in spans)
+    assert all(began < span.start < span.end < time.perf_counter() for span in spans)
 
 
 def test_a_transform_workers_cannot_receive_is_refused_at_construction() -> None:

@@ -146,6 +146,9 @@ class BalancedLoader(LoaderFacade):
         self._stager = parts.stager
         self._tracer = parts.tracer
         self._tracer.bind(self._transport.global_ranks[self._transport.rank])
+        trace_workers = getattr(source, "trace_workers", None)
+        if callable(trace_workers):  # a source's transform workers: a trace track each
+            trace_workers(self._tracer)
         self._meter = StallMeter()
         self._stats_callback = stats_callback
         self._launcher: CallerLauncher | None = None

@@ -356,6 +356,11 @@ class DatasetSource:
         seconds (``LoaderConfig.timeout``) counts as hung."""
         self._transforms.timeout = float(timeout)
 
+    def trace_workers(self, tracer: Any) -> None:
+        """Called by the loader: the workers' spans go to its tracer, one track per worker
+        (``transform.w0``, ...; the step is the source's, ``-1`` for shared-mode reads)."""
+        self._transforms.trace(tracer)
+
     def close_workers(self, timeout: float = 5.0) -> list[int]:
         """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
         ``close()`` calls this); returns their pids. The next read starts fresh ones."""

@@ -36,9 +36,12 @@ __all__ = ["Ticket", "TransformPool", "TransformReport"]
 
 
 class _Worker:
-    def __init__(self, process: Any, conn: multiprocessing.connection.Connection) -> None:
+    def __init__(
+        self, process: Any, conn: multiprocessing.connection.Connection, slot: int
+    ) -> None:
         self.process = process
         self.conn = conn
+        self.stage = f"transform.w{slot}"  # its trace track
         self.load = 0  # samples sent and not yet answered
 
 
@@ -48,6 +51,7 @@ class Ticket:
 
     generation: int
     parts: tuple[tuple[_Worker, int, tuple[int, ...]], ...]
+    step: int = -1  # the source's step, for trace spans (-1: unknown)
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,8 @@ class TransformPool:
         self.wait_seconds = 0.0
         #: Seconds the workers spent reading and transforming the results collected.
         self.busy_seconds = 0.0
+        #: The loader's tracer: one span per chunk, on one track per worker.
+        self.tracer: Any = None
 
     @property
     def num_workers(self) -> int:
@@ -138,7 +144,7 @@ class TransformPool:
 
     # -- submitting ----------------------------------------------------------------------
 
-    def submit(self, indices: Sequence[int], epoch: int) -> Ticket:
+    def submit(self, indices: Sequence[int], epoch: int, step: int = -1) -> Ticket:
         """Send the work for ``indices`` to the workers (least loaded first); no waiting."""
         wanted = [int(i) for i in indices]
         with self._send_lock:
@@ -159,7 +165,7 @@ class TransformPool:
                 worker.load += len(part)
                 self._sizes[task] = (worker, len(part))
                 parts.append((worker, task, part))
-            return Ticket(generation, tuple(parts))
+            return Ticket(generation, tuple(parts), step)
 
     def _start(self) -> list[_Worker]:
         if self._workers:
@@ -177,7 +183,7 @@ class TransformPool:
                 )
                 process.start()
                 child_end.close()
-                started.append(_Worker(process, parent_end))
+                started.append(_Worker(process, parent_end, len(started)))
         except BaseException as exc:
             stop_workers(started, 1.0)
             exc.add_note(
@@ -218,6 +224,9 @@ class TransformPool:
                     raise failure
                 out.extend(unpack(reply[2]))
                 self.busy_seconds += reply[3]
+                tracer = self.tracer
+                if tracer is not None:
+                    tracer.add(worker.stage, ticket.step, reply[4], reply[5], samples=len(part))
         finally:
             self.wait_seconds += time.monotonic() - started
         return out

@@ -46,6 +46,7 @@ class SampleTransforms:
         self._clock: tuple[float, float, float] | None = None  # pass start, busy, wait
         #: Seconds a worker may stay silent before it counts as hung (LoaderConfig.timeout).
         self.timeout = 300.0
+        self._tracer: Any = None
 
     @property
     def active(self) -> bool:
@@ -78,7 +79,7 @@ class SampleTransforms:
         pool = self._workers()
         for k, indices in enumerate(later):
             if step + k not in ahead:
-                ahead[step + k] = pool.submit(indices, epoch)
+                ahead[step + k] = pool.submit(indices, epoch, step + k)
         return pool.collect(ahead.pop(step), self.timeout)
 
     def drop(self, ahead: dict[int, Ticket]) -> None:
@@ -132,9 +133,16 @@ class SampleTransforms:
     def close(self, timeout: float) -> list[int]:
         return [] if self._pool is None else self._pool.close(timeout)
 
+    def trace(self, tracer: Any) -> None:
+        """Record the workers' spans on ``tracer`` (``transform.w0``, ``transform.w1``, ...)."""
+        self._tracer = tracer
+        if self._pool is not None:
+            self._pool.tracer = tracer
+
     def _workers(self) -> TransformPool:
         if self._pool is None:
             self._pool = TransformPool(
                 self._dataset, self._transform, seed=self._seed, workers=self.workers
             )
+            self._pool.tracer = self._tracer
         return self._pool

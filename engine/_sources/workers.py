@@ -202,7 +202,8 @@ def worker_main(
                 if transform is None
                 else transform_samples(samples, indices, transform, seed, epoch)
             )
-            reply = ("ok", task, _pack(out), time.perf_counter() - started)
+            ended = time.perf_counter()  # CLOCK_MONOTONIC: comparable with the parent's
+            reply = ("ok", task, _pack(out), ended - started, started, ended)
         except Exception as exc:
             reply = ("error", task, _portable(exc), traceback.format_exc())
         try:
