@@ -629,6 +629,8 @@ class BalancedLoader(LoaderFacade):
         stuck: list[str] = []
         for pool in pools:
             stuck += pool.join(max(until - time.monotonic(), 0.0))
+        if callable(close_workers):  # and after: a read between two steps may have restarted them
+            close_workers(1.0)
         self.abandoned_threads = stuck
         return stuck
 
