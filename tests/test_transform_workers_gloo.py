@@ -267,6 +267,8 @@ def test_a_failing_worker_fails_every_rank_at_one_step_and_leaves_no_process(
             assert "TransformWorkerError" in r["type"] + r["text"], r
             what = "killed by signal 9" if how == "kill" else "hung"
             assert what in r["text"], r["text"]
+    if mode == "payload":  # the failing rank's own error names the step too
+        assert f"source step {step})" in own[0]["text"], own[0]["text"]
     if how == "raise" and mode == "payload":
         assert own[0]["type"] == "ValueError"
         assert "Traceback in transform worker process" in own[0]["text"]

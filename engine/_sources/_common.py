@@ -150,8 +150,7 @@ class LoaderBinding:
         ]
         if wrong:
             parts = [
-                f"{self._owner}({name}={mine}) disagrees with "
-                + _WHERE[name].format(value=theirs)
+                f"{self._owner}({name}={mine}) disagrees with " + _WHERE[name].format(value=theirs)
                 for name, mine, theirs in wrong
             ]
             names = ", ".join(f"{name}=" for name, _, _ in wrong)

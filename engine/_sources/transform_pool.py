@@ -203,21 +203,31 @@ class TransformPool:
         started = time.monotonic()
         deadline = started + timeout
         out: list[Any] = []
+        # The source's step, named in the error of the rank that fails (its peers' error
+        # names the step anyway).
+        of_step = f" (source step {ticket.step})" if ticket.step >= 0 else ""
         try:
             for i, (worker, task, part) in enumerate(ticket.parts):
-                reply = self._await(
-                    ticket.generation,
-                    worker=worker,
-                    task=task,
-                    part=part,
-                    deadline=deadline,
-                    timeout=timeout,
-                )
+                try:
+                    reply = self._await(
+                        ticket.generation,
+                        worker=worker,
+                        task=task,
+                        part=part,
+                        deadline=deadline,
+                        timeout=timeout,
+                    )
+                except TransformWorkerError as exc:
+                    if of_step:
+                        exc.add_note(f"{NOTE_PREFIX}while reading{of_step}.")
+                    raise
                 if reply[0] != "ok":
                     self.drop(Ticket(ticket.generation, ticket.parts[i + 1 :]))
                     failure = reply[2]
                     pid = worker.process.pid
-                    failure.add_note(f"{NOTE_PREFIX}raised in transform worker process {pid}.")
+                    failure.add_note(
+                        f"{NOTE_PREFIX}raised in transform worker process {pid}{of_step}."
+                    )
                     failure.add_note(
                         f"Traceback in transform worker process {pid}:\n{reply[3].rstrip()}"
                     )

@@ -19,6 +19,8 @@ import numpy as np
 
 from evenflow.engine._sources.transform_pool import Ticket, TransformPool, TransformReport
 from evenflow.engine._sources.workers import check_transform, read_samples, transform_samples
+from evenflow.engine.errors import TransformWorkerError
+from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["SampleTransforms"]
 
@@ -77,9 +79,13 @@ class SampleTransforms:
         (``later[0]`` this step's); those not yet submitted are sent to the workers before
         this step is collected, so the workers work while the loader plans and packs."""
         pool = self._workers()
-        for k, indices in enumerate(later):
-            if step + k not in ahead:
-                ahead[step + k] = pool.submit(indices, epoch, step + k)
+        try:
+            for k, indices in enumerate(later):
+                if step + k not in ahead:
+                    ahead[step + k] = pool.submit(indices, epoch, step + k)
+        except TransformWorkerError as exc:  # a worker lost while sending: this step fails
+            exc.add_note(f"{NOTE_PREFIX}while reading (source step {step}).")
+            raise
         return pool.collect(ahead.pop(step), self.timeout)
 
     def drop(self, ahead: dict[int, Ticket]) -> None:
