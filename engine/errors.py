@@ -11,6 +11,7 @@
     ├── ResumeError (ValueError)        a checkpoint does not match this loader
     ├── SourceExhaustedError            a rank's source ended early and ``on_uneven_end="raise"``
     ├── StallTimeoutError (TimeoutError) no step arrived within ``LoaderConfig.timeout``
+    ├── TransformWorkerError (RuntimeError) a transform worker process died or hung
     └── TransportError ...              (see evenflow.transports.errors)
 """
 
@@ -46,6 +47,7 @@ __all__ = [
     "RouteError",
     "SourceExhaustedError",
     "StallTimeoutError",
+    "TransformWorkerError",
     "TransportClosedError",
     "TransportError",
     "TransportTimeoutError",
@@ -133,3 +135,9 @@ class SourceExhaustedError(EvenflowError):
 
 class StallTimeoutError(EvenflowError, TimeoutError):
     """No step reached the caller within ``LoaderConfig.timeout`` (a blocked source or stage)."""
+
+
+class TransformWorkerError(EvenflowError, RuntimeError):
+    """A transform worker process of a source died (e.g. SIGKILL by the OOM killer) or did not
+    answer within ``LoaderConfig.timeout``; the message names the process and the dataset
+    indices it was transforming."""

@@ -210,6 +210,7 @@ _COMMANDS = (
     ["bench", "scale"],
     ["bench", "calibration"],
     ["bench", "trainer"],
+    ["bench", "transforms"],
 )
 
 
@@ -248,7 +249,15 @@ def test_the_command_runs_as_a_module_too() -> None:
 
 def test_benchmarks_page_has_a_section_per_benchmark() -> None:
     text = _text("benchmarks.md")
-    for name in ("planner", "exchange", "pipeline", "scale", "calibration", "trainer"):
+    for name in (
+        "planner",
+        "exchange",
+        "pipeline",
+        "scale",
+        "calibration",
+        "trainer",
+        "transforms",
+    ):
         heading = re.search(rf"^## {name.capitalize()}\b.*$", text, re.MULTILINE)
         assert heading, f"no section for {name}"
         section = text[heading.end() :].split("\n## ")[0]

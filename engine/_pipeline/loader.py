@@ -49,6 +49,7 @@ from evenflow.engine._pipeline.stats import BalanceTally, StepStats
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine._pipeline.world import WorldRound
 from evenflow.engine._sources._common import SourceReport
+from evenflow.engine._sources.transform_pool import TransformReport
 from evenflow.engine._tracing import StallMeter
 from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
@@ -158,6 +159,9 @@ class BalancedLoader(LoaderFacade):
         self._stager = parts.stager
         self._tracer = parts.tracer
         self._tracer.bind(self._transport.global_ranks[self._transport.rank])
+        trace_workers = getattr(source, "trace_workers", None)
+        if callable(trace_workers):  # a source's transform workers: a trace track each
+            trace_workers(self._tracer)
         self._meter = StallMeter()
         self._stats_callback = stats_callback
         self._launcher: CallerLauncher | None = None
@@ -645,6 +649,7 @@ class BalancedLoader(LoaderFacade):
             num_outlier_bound_steps=self._pass_balance.to_dict()["outlier_bound"],
             outlier_cost_fraction=self._pass_balance.outlier_cost_fraction,
             num_zero_loss_steps=self._pass_zero_loss,
+            transform=_transform_report(self._source),
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -679,9 +684,15 @@ class BalancedLoader(LoaderFacade):
         for pool in pools:
             pool.stop(cancel_futures=True)
         until = time.monotonic() + self._config.close_timeout
+        close_workers = getattr(self._source, "close_workers", None)
+        if callable(close_workers):
+            # Before the join: a read waiting on a worker returns once the workers are gone.
+            close_workers(self._config.close_timeout)
         stuck: list[str] = []
         for pool in pools:
             stuck += pool.join(max(until - time.monotonic(), 0.0))
+        if callable(close_workers):  # and after: a read between two steps may have restarted them
+            close_workers(1.0)
         self.abandoned_threads = stuck
         return stuck
 
@@ -757,6 +768,12 @@ class BalancedLoader(LoaderFacade):
 _ZERO_LOSS_WARNINGS = 3
 
 
+def _transform_report(source: Any) -> TransformReport | None:
+    """The pass's transform time on this rank, from a source with a transform."""
+    report = getattr(source, "transform_report", None)
+    return report if isinstance(report, TransformReport) else None
+
+
 def _bind_source(
     source: Any, config: LoaderConfig, transport: Transport, world: Transport | None
 ) -> ConfigError | None:
@@ -767,6 +784,9 @@ def _bind_source(
     bind = getattr(source, "bind_loader", None)
     if not callable(bind):
         return None
+    bind_workers = getattr(source, "bind_workers", None)
+    if callable(bind_workers):  # transform worker processes: hung past the loader's timeout
+        bind_workers(timeout=config.timeout)
     ranks = world if world is not None else transport
     # A loader with no peers knows nothing of the data-parallel world: a source sharded by
     # hand (explicit rank / num_ranks, one loader per process without a group) keeps them.

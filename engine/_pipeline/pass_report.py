@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._sources._common import SourceReport
+from evenflow.engine._sources.transform_pool import TransformReport
 
 __all__ = ["PassSummary", "RankUnread", "UnevenEnd", "uneven_end"]
 
@@ -140,7 +141,9 @@ class PassSummary:
     no per-step plan can remove, and what ``balance_window`` works on.
     ``num_zero_loss_steps``: delivered steps whose world held no loss target at all (every
     label ``-100``): they train nothing, and ``LossTokens.loss_scale`` is 0.0 for them; each
-    is also logged as a WARNING.
+    is also logged as a WARNING. ``transform``: this rank's transform time in the pass
+    (``DatasetSource(transform=...)``: seconds transforming, seconds the reads waited for the
+    workers, the workers' busy share), when the source has a transform.
     """
 
     epoch: int
@@ -154,6 +157,7 @@ class PassSummary:
     num_outlier_bound_steps: int = 0
     outlier_cost_fraction: float = 0.0
     num_zero_loss_steps: int = 0
+    transform: TransformReport | None = None
 
     @property
     def num_dropped_samples(self) -> int:
@@ -184,6 +188,11 @@ class PassSummary:
             )
         if self.num_zero_loss_steps:
             line += f"; {self.num_zero_loss_steps} steps held no loss target in the world"
+        if self.transform is not None:
+            line += (
+                f"; transforms took {self.transform.busy_s:.1f} s on this rank (reads waited "
+                f"{self.transform.wait_s:.1f} s for {self.transform.workers} worker(s))"
+            )
         if self.source is not None:
             line += (
                 f"; the source left {self.source.num_dropped_samples} samples of the epoch "
@@ -205,6 +214,7 @@ class PassSummary:
             "outlier_cost_fraction": self.outlier_cost_fraction,
             "num_zero_loss_steps": self.num_zero_loss_steps,
             "uneven": None if self.uneven is None else self.uneven.to_dict(),
+            "transform": None if self.transform is None else self.transform.to_dict(),
             "source": None
             if source is None
             else {

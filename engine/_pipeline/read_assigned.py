@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._pipeline.routes import RankRoutes
-from evenflow.engine.errors import GroupMismatchError
+from evenflow.engine.errors import GroupMismatchError, TransformWorkerError
 
 __all__ = ["AssignedReader", "dataset_mismatch", "shared_identity", "shared_source"]
 
@@ -137,6 +137,8 @@ class AssignedReader:
                     "return one sample per index, in order."
                 )
             return samples
+        except TransformWorkerError:
+            raise  # names its indices; reading them again would restart the workers
         except Exception:
             # Find the index that fails, so that the error names it (error path only).
             for index in indices:

@@ -37,9 +37,10 @@ from evenflow.engine._sources._common import (
 from evenflow.engine._sources._lengths import default_length, fingerprint, read_lengths
 from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
+from evenflow.engine._sources.transform_pool import Ticket, TransformReport
+from evenflow.engine._sources.transforms import SampleTransforms
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
-from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["DatasetSource"]
 
@@ -84,6 +85,19 @@ class DatasetSource:
     dataset must allow concurrent reads, or pass ``read_threads=1``). The loader refuses a
     group whose ranks see different datasets (:meth:`dataset_identity`).
 
+    ``transform``: a per-sample function called as ``transform(sample, rng)`` after the read,
+    whose result is the sample the loader plans and packs; ``rng`` is a
+    ``numpy.random.Generator`` seeded by ``(seed, epoch, dataset index)`` only, so a sample
+    is transformed identically on any rank, worker or step. The lengths (``lengths``,
+    ``length_column``, ``length_fn``) must be the token counts of the *transformed* samples:
+    they plan the step before any transform runs. ``transform_workers=N`` runs the read and
+    the transform in ``N`` worker processes (started with ``spawn`` on the first read,
+    reused until the loader closes; ``transform`` and ``dataset`` must be picklable, the
+    transform a module-level function); ``0`` runs them on the loader's threads. In payload
+    mode a step is transformed on the rank that reads it, before its metadata round (the
+    moved samples carry transformed payloads); in shared-dataset mode each rank transforms
+    only the samples the plan assigned to it. See the how-to "Heavy transforms".
+
     Its state is global: the same on every rank at the same step, and restorable onto a
     different number of ranks (the rest of the epoch is dealt to them).
     """
@@ -111,6 +125,8 @@ class DatasetSource:
         features_fn: Callable[[Any], dict[str, Any]] | None = None,
         shared: bool = False,
         read_threads: int = 4,
+        transform: Callable[[Any, np.random.Generator], Any] | None = None,
+        transform_workers: int = 0,
     ) -> None:
         if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
             raise TypeError(
@@ -151,6 +167,12 @@ class DatasetSource:
                 "token counts only, or use shared=False."
             )
         self._dataset = dataset
+        self._transforms = SampleTransforms(
+            dataset,
+            transform,
+            workers=check_int("transform_workers", transform_workers, minimum=0),
+            seed=self._seed,
+        )
         self._lengths = read_lengths(
             dataset, lengths=lengths, length_column=length_column, length_fn=length_fn
         )
@@ -301,30 +323,48 @@ class DatasetSource:
         unit = plan.dealing.unit(step, rank)
         return [plan.order[positions] for positions in plan.packed.step(unit)]
 
-    def read(self, indices: Sequence[int]) -> list[Any]:
-        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it).
+    def read(self, indices: Sequence[int], *, epoch: int | None = None) -> list[Any]:
+        """The samples at ``indices`` (one ``__getitems__`` call where the dataset has it),
+        transformed when the source has a ``transform`` (with the random state of ``epoch``,
+        default the current one), in the worker processes when it has any.
 
-        An error the dataset raises keeps its type and message and gains a note naming the
-        dataset index (or, for one ``__getitems__`` call, the indices) it was reading."""
-        getitems = getattr(self._dataset, "__getitems__", None)
-        wanted = list(indices)
-        if callable(getitems):
-            try:
-                return list(getitems(wanted))
-            except BaseException as exc:
-                shown = ", ".join(map(str, wanted[:16])) + (", ..." if len(wanted) > 16 else "")
-                exc.add_note(
-                    f"{NOTE_PREFIX}raised by dataset.__getitems__ for dataset indices [{shown}]."
-                )
-                raise
-        out = []
-        for i in wanted:
-            try:
-                out.append(self._dataset[i])
-            except BaseException as exc:
-                exc.add_note(f"{NOTE_PREFIX}raised reading dataset index {i} (dataset[{i}]).")
-                raise
-        return out
+        An error the dataset or the transform raises keeps its type and message and gains a
+        note naming the dataset index (or, for one ``__getitems__`` call, the indices) it
+        was reading; from a worker it also keeps the worker's traceback as a note. A worker
+        that dies or hangs past ``LoaderConfig.timeout`` raises ``TransformWorkerError``."""
+        return self._transforms.read(indices, self._epoch if epoch is None else epoch)
+
+    @property
+    def transform_workers(self) -> int:
+        """Worker processes that read and transform samples (``0``: the loader's threads)."""
+        return self._transforms.workers
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running transform workers (empty before the first read, after
+        ``close_workers()`` and with ``transform_workers=0``)."""
+        return self._transforms.pids
+
+    @property
+    def transform_report(self) -> TransformReport | None:
+        """The transform time of the current pass on this rank (from its first read), or
+        ``None`` without a transform or before the pass's first read."""
+        return self._transforms.report
+
+    def bind_workers(self, *, timeout: float) -> None:
+        """Called by the loader: a transform worker that does not answer within ``timeout``
+        seconds (``LoaderConfig.timeout``) counts as hung."""
+        self._transforms.timeout = float(timeout)
+
+    def trace_workers(self, tracer: Any) -> None:
+        """Called by the loader: the workers' spans go to its tracer, one track per worker
+        (``transform.w0``, ...; the step is the source's, ``-1`` for shared-mode reads)."""
+        self._transforms.trace(tracer)
+
+    def close_workers(self, timeout: float = 5.0) -> list[int]:
+        """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
+        ``close()`` calls this); returns their pids. The next read starts fresh ones."""
+        return self._transforms.close(timeout)
 
     def last_read_indices(self) -> npt.NDArray[np.int64] | None:
         """The dataset indices of the step the iterator yielded last, in sample order (the
@@ -357,6 +397,21 @@ class DatasetSource:
         return self._steps(plan, start)
 
     def _steps(self, plan: _Epoch, start: int) -> Iterator[list[list[Any]]]:
+        ahead: dict[int, Ticket] = {}  # steps submitted to the transform workers
+        self._transforms.start_pass()
+        try:
+            yield from self._step_items(plan, start, ahead)
+        finally:
+            self._transforms.drop(ahead)
+            self._transforms.warn_if_bottleneck(plan.epoch, self._rank)
+
+    def _step_items(
+        self, plan: _Epoch, start: int, ahead: dict[int, Ticket]
+    ) -> Iterator[list[list[Any]]]:
+        # With workers in payload mode, the next steps' samples are submitted before this
+        # one is collected, so the workers are never idle while the loader plans and packs
+        # (2 steps per worker ahead, as DataLoader's prefetch_factor=2).
+        lookahead = 2 * self._transforms.workers if not self._yield_indices else 0
         for step in range(start, plan.num_steps):
             bins = self.step_indices(step)
             sizes = [len(b) for b in bins]
@@ -367,8 +422,15 @@ class DatasetSource:
                 items: list[Any] = [
                     IndexedSample(i, n) for i, n in zip(flat.tolist(), tokens, strict=True)
                 ]
+            elif lookahead:
+                later = [
+                    np.concatenate(self.step_indices(s)).tolist() if s not in ahead else []
+                    for s in range(step, min(step + 1 + lookahead, plan.num_steps))
+                ]
+                items = self._transforms.read_ahead(step, later, ahead, plan.epoch)
+                self._memo.remember(items, tokens)
             else:
-                items = self.read(flat.tolist())
+                items = self.read(flat.tolist(), epoch=plan.epoch)
                 self._memo.remember(items, tokens)
             out, at = [], 0
             for size in sizes:

@@ -32,6 +32,10 @@ _BENCHMARKS: dict[str, tuple[str, str]] = {
         "evenflow.engine._tools.bench.trainer",
         "HF Trainer: evenflow vs BatchRebalanceSampler",
     ),
+    "transforms": (
+        "evenflow.engine._tools.bench.transforms",
+        "heavy per-sample transforms: threads, worker processes, DataLoader",
+    ),
 }
 
 

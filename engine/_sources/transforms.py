@@ -1,0 +1,154 @@
+"""A source's per-sample transform: in process, or in worker processes that read ahead.
+
+:class:`SampleTransforms` is what ``DatasetSource`` holds for its ``transform`` and
+``transform_workers``: it reads samples (``dataset[i]``) and transforms them with the random
+state of ``(seed, epoch, index)``, on the calling thread or in a :class:`TransformPool`; it
+submits the steps a source will read next before they are collected (``read_ahead``), keeps
+the time the transforms took and the reads waited (``report``), and warns when the
+transforms set the pace of a pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from evenflow.engine._sources.transform_pool import Ticket, TransformPool, TransformReport
+from evenflow.engine._sources.workers import check_transform, read_samples, transform_samples
+from evenflow.engine.errors import TransformWorkerError
+from evenflow.transports._remote import NOTE_PREFIX
+
+__all__ = ["SampleTransforms"]
+
+logger = logging.getLogger("evenflow")
+
+
+class SampleTransforms:
+    """Reads and transforms samples of ``dataset`` for one source."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        transform: Callable[[Any, np.random.Generator], Any] | None,
+        *,
+        workers: int,
+        seed: int,
+    ) -> None:
+        check_transform(transform, workers)
+        self._dataset = dataset
+        self._transform = transform
+        self.workers = workers
+        self._seed = seed
+        self._pool: TransformPool | None = None
+        self._inline_busy = 0.0  # seconds of transforms run in this process
+        self._clock: tuple[float, float, float] | None = None  # pass start, busy, wait
+        #: Seconds a worker may stay silent before it counts as hung (LoaderConfig.timeout).
+        self.timeout = 300.0
+        self._tracer: Any = None
+
+    @property
+    def active(self) -> bool:
+        return self._transform is not None or self.workers > 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [] if self._pool is None else self._pool.pids
+
+    def read(self, indices: Sequence[int], epoch: int) -> list[Any]:
+        """The samples at ``indices``, transformed (in the workers when there are any)."""
+        wanted = [int(i) for i in indices]
+        if self.workers:
+            return self._workers().run(wanted, epoch, self.timeout)
+        samples = read_samples(self._dataset, wanted)
+        if self._transform is None:
+            return samples
+        started = time.perf_counter()
+        try:
+            return transform_samples(samples, wanted, self._transform, self._seed, epoch)
+        finally:
+            self._inline_busy += time.perf_counter() - started
+
+    def read_ahead(
+        self, step: int, later: Sequence[list[int]], ahead: dict[int, Ticket], epoch: int
+    ) -> list[Any]:
+        """Step ``step``'s samples: ``later[k]`` holds the indices of step ``step + k``
+        (``later[0]`` this step's); those not yet submitted are sent to the workers before
+        this step is collected, so the workers work while the loader plans and packs."""
+        pool = self._workers()
+        try:
+            for k, indices in enumerate(later):
+                if step + k not in ahead:
+                    ahead[step + k] = pool.submit(indices, epoch, step + k)
+        except TransformWorkerError as exc:  # a worker lost while sending: this step fails
+            exc.add_note(f"{NOTE_PREFIX}while reading (source step {step}).")
+            raise
+        return pool.collect(ahead.pop(step), self.timeout)
+
+    def drop(self, ahead: dict[int, Ticket]) -> None:
+        """Steps read ahead that will not be collected (the pass ended early)."""
+        if self._pool is not None:
+            for ticket in ahead.values():
+                self._pool.drop(ticket)
+        ahead.clear()
+
+    def start_pass(self) -> None:
+        if self.active:
+            self._clock = (time.monotonic(), *self._totals())
+
+    @property
+    def report(self) -> TransformReport | None:
+        if self._clock is None:
+            return None
+        started, busy, wait = self._clock
+        now_busy, now_wait = self._totals()
+        return TransformReport(
+            workers=self.workers,
+            busy_s=now_busy - busy,
+            wait_s=now_wait - wait,
+            elapsed_s=time.monotonic() - started,
+        )
+
+    def _totals(self) -> tuple[float, float]:
+        pool = self._pool
+        if pool is None:
+            return self._inline_busy, 0.0
+        return self._inline_busy + pool.busy_seconds, pool.wait_seconds
+
+    def warn_if_bottleneck(self, epoch: int, rank: int) -> None:
+        """A WARNING when the pass's reads waited on busy workers for over 20% of it."""
+        report = self.report
+        if report is None or not report.bottleneck:
+            return
+        logger.warning(
+            "evenflow: the transforms were the bottleneck of epoch %d on rank %d: its reads "
+            "waited %.1f s of %.1f s for %d transform worker(s) (%.0f%% busy). Raise "
+            "transform_workers (up to the cores the training leaves free), or make the "
+            "transform cheaper; see the how-to 'Heavy transforms'.",
+            epoch,
+            rank,
+            report.wait_s,
+            report.elapsed_s,
+            report.workers,
+            100 * (report.saturation or 0.0),
+        )
+
+    def close(self, timeout: float) -> list[int]:
+        return [] if self._pool is None else self._pool.close(timeout)
+
+    def trace(self, tracer: Any) -> None:
+        """Record the workers' spans on ``tracer`` (``transform.w0``, ``transform.w1``, ...)."""
+        self._tracer = tracer
+        if self._pool is not None:
+            self._pool.tracer = tracer
+
+    def _workers(self) -> TransformPool:
+        if self._pool is None:
+            self._pool = TransformPool(
+                self._dataset, self._transform, seed=self._seed, workers=self.workers
+            )
+            self._pool.tracer = self._tracer
+        return self._pool

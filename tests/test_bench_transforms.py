@@ -1,0 +1,34 @@
+"""``evenflow bench transforms``: argument checks and a quick run on two real Gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evenflow.engine._tools.bench.transforms import main
+
+
+def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--steps", "2"]) == 2
+    assert "--steps" in capsys.readouterr().err
+    assert main(["--workers", "0"]) == 2
+    assert "--workers" in capsys.readouterr().err
+    assert main(["--work-ms", "-1"]) == 2
+    assert "--work-ms" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_quick_json_reports_every_arm(capsys: pytest.CaptureFixture[str]) -> None:
+    # A quick run on a loaded machine may miss its targets: report them without judging.
+    assert main(["--quick", "--json", "--report-only"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["benchmark"] == "transforms"
+    assert set(doc["cases"]) == {"2ms/threads", "2ms/dataloader-1", "2ms/workers-1"}
+    for case in doc["cases"].values():
+        assert case["step_time_s"] > 0 and case["samples_per_s"] > 0
+        assert 0.0 <= case["data_stall"] <= 1.0
+        assert case["other_cpu_ms"] >= 0.0
+    assert doc["cases"]["2ms/workers-1"]["vs_dataloader"] > 0
+    assert doc["cases"]["2ms/workers-1"]["scaling_vs_1"] == 1.0
+    assert {t["status"] for t in doc["targets"]} <= {"PASS", "MISS"} and doc["targets"]
