@@ -15,7 +15,8 @@ any other re-iterable              ``iter(obj)``                          replay
 A one-shot iterator (a generator object) is refused: a second pass over it would yield nothing.
 The state of a stateful stream also holds the samples the packer has buffered but not yet
 delivered (at most one under ``"first_fit"``; fewer than ``buffer_tokens + seq_len`` tokens under
-``"best_fit_decreasing"``; plus the rest of the current upstream batch with ``batched=True``),
+``"best_fit_decreasing"``; plus the rest of the current upstream batch with ``batched=True``;
+plus, with ``transform_workers``, the raw samples of the steps packed ahead for the workers),
 encoded with the wire format, so they must be plain data, numpy arrays or tensors.
 """
 
@@ -26,7 +27,10 @@ import copy
 import inspect
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from evenflow.engine._model import SampleMetadata
 from evenflow.engine._sources._common import (
@@ -37,6 +41,8 @@ from evenflow.engine._sources._common import (
 )
 from evenflow.engine._sources._lengths import default_length
 from evenflow.engine._sources.packing import Item, StepPacker
+from evenflow.engine._sources.transform_pool import Ticket, TransformReport
+from evenflow.engine._sources.transforms import SampleTransforms
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
 from evenflow.transports import _wire
@@ -112,6 +118,16 @@ class _Stream:
             return ((sample, length), length)
 
 
+@dataclass
+class _Ahead:
+    """A packed step not yet delivered (raw samples), its transform ticket once sent to the
+    workers, or the error packing it raised (raised when the step is due, not earlier)."""
+
+    packed: list[list[tuple[Any, int]]] | None
+    ticket: Ticket | None = None
+    error: BaseException | None = None
+
+
 class IterableSource:
     """Steps of ``bins_per_rank`` bins of ``seq_len`` tokens from a stream of samples.
 
@@ -124,6 +140,18 @@ class IterableSource:
 
     The number of steps of a stream is not known in advance: no ``len()``. Ranks whose
     streams end at different steps end together at the shortest (``on_uneven_end``).
+
+    ``transform``: a per-sample function called as ``transform(sample, rng)`` on each packed
+    step's raw samples; ``rng`` is a ``numpy.random.Generator`` seeded by ``(seed, epoch,
+    step, slot)`` (slot: the sample's position in the step as packed), so a sample is
+    transformed identically on any rank or worker and after a resume. The lengths
+    (``length_fn``, measured on the raw sample) must be the token counts of the
+    *transformed* samples: they pack and plan the step before any transform runs.
+    ``transform_workers=N`` runs the transform in ``N`` worker processes (the stream itself
+    is iterated in the training process and the raw samples are sent to the workers,
+    pickled; large arrays come back through shared memory); the next ``2 * N`` steps are
+    packed and sent ahead, and a saved state holds their raw samples. See the how-to
+    "Heavy transforms".
     """
 
     def __init__(
@@ -138,8 +166,23 @@ class IterableSource:
         oversized: str = "error",
         batched: bool = False,
         features_fn: Callable[[Any], dict[str, Any]] | None = None,
+        transform: Callable[[Any, np.random.Generator], Any] | None = None,
+        transform_workers: int = 0,
+        seed: int = 0,
     ) -> None:
         self._kind, self._takes_epoch = _classify(samples)
+        workers = check_int("transform_workers", transform_workers, minimum=0)
+        if workers and transform is None:
+            raise ConfigError(
+                f"transform_workers={workers} was given without a transform: a stream's "
+                "samples are read in the training process, so the workers would only copy "
+                "them. Pass transform=fn (a module-level function fn(sample, rng)) or "
+                "transform_workers=0."
+            )
+        self._transforms = SampleTransforms(
+            None, transform, workers=workers, seed=check_int("seed", seed, minimum=0)
+        )
+        self._rank = 0
         StepPacker(
             seq_len=1 if seq_len is None else seq_len,
             bins_per_rank=1 if bins_per_rank is None else bins_per_rank,
@@ -170,7 +213,7 @@ class IterableSource:
         self._epoch = 0
         self._step = 0
         self._resume: dict[str, Any] | None = None
-        self._live: tuple[StepPacker, _Stream] | None = None
+        self._live: tuple[StepPacker, _Stream, collections.deque[_Ahead]] | None = None
         self._report: SourceReport | None = None
 
     def bind_loader(
@@ -180,7 +223,8 @@ class IterableSource:
         (a stream is sharded by whoever makes it, so the ranks are not used). Values given to
         the source that disagree are refused: the error is returned, and raised by every
         later use."""
-        del rank, num_ranks
+        del num_ranks
+        self._rank = 0 if rank is None else rank  # named in the bottleneck warning
         return self._binding.bind(seq_len=seq_len, bins_per_rank=bins_per_rank)
 
     @property
@@ -209,6 +253,38 @@ class IterableSource:
     def report(self) -> SourceReport | None:
         """What the last finished pass delivered and left unread (this rank), or ``None``."""
         return self._report
+
+    @property
+    def transform_workers(self) -> int:
+        """Worker processes that transform samples (``0``: the loader's threads)."""
+        return self._transforms.workers
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running transform workers (empty before the first step, after
+        ``close_workers()`` and with ``transform_workers=0``)."""
+        return self._transforms.pids
+
+    @property
+    def transform_report(self) -> TransformReport | None:
+        """The transform time of the current pass on this rank, or ``None`` without a
+        transform or before the pass's first step."""
+        return self._transforms.report
+
+    def bind_workers(self, *, timeout: float) -> None:
+        """Called by the loader: a transform worker that does not answer within ``timeout``
+        seconds (``LoaderConfig.timeout``) counts as hung."""
+        self._transforms.timeout = float(timeout)
+
+    def trace_workers(self, tracer: Any) -> None:
+        """Called by the loader: record the workers' spans on ``tracer`` (``transform.w0``,
+        ...; the step is the source's)."""
+        self._transforms.trace(tracer)
+
+    def close_workers(self, timeout: float = 5.0) -> list[int]:
+        """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
+        ``close()`` calls it); returns their pids. The next step starts fresh ones."""
+        return self._transforms.close(timeout)
 
     def metadata_fn(self, sample: Any) -> SampleMetadata:
         """The ``metadata_fn`` for a ``BalancedLoader`` over this source (the length the source
@@ -272,21 +348,77 @@ class IterableSource:
             stream.num_read = int(counters["read"])
             stream.num_oversized = int(counters["oversized"])
             stream.oversized_tokens = int(counters["oversized_tokens"])
+        ahead: collections.deque[_Ahead] = collections.deque()
+        if resume is not None and resume.get("ahead") is not None:
+            for packed in _wire.decode(resume["ahead"]):
+                ahead.append(_Ahead([[(s, int(n)) for s, n in b] for b in packed]))
         for done in range(replay):  # no saved position: read and discard the consumed steps
             if packer.next_step(stream) is None:
                 raise ResumeError(
                     f"The stream ended after {done} steps while replaying to step {replay}; "
                     "a stream without state must yield the same samples on every pass."
                 )
-        self._live = (packer, stream)
+        self._live = (packer, stream, ahead)
         self._memo.clear()
-        while (packed := packer.next_step(stream)) is not None:
-            self._memo.remember(
-                [s for b in packed for s, _ in b], [n for b in packed for _, n in b]
-            )
-            self._step += 1
-            yield [[s for s, _ in b] for b in packed]
+        transforms = self._transforms
+        transforms.start_pass()
+        try:
+            yield from self._deliver(packer, stream, ahead)
+        finally:
+            transforms.drop({i: a.ticket for i, a in enumerate(ahead) if a.ticket is not None})
+            transforms.warn_if_bottleneck(self._epoch, self._rank)
         self._finish(packer, stream, resumed=resume is not None)
+
+    def _deliver(
+        self, packer: StepPacker, stream: _Stream, ahead: collections.deque[_Ahead]
+    ) -> Iterator[list[list[Any]]]:
+        """The steps, transformed. With workers, the next ``2 * workers`` steps are packed and
+        sent to them before this one is collected, so they work while the loader plans and
+        packs (as ``DataLoader``'s ``prefetch_factor=2``); their raw samples stay in
+        ``ahead`` until delivered, so a state saved meanwhile holds them."""
+        transforms = self._transforms
+        workers = transforms.workers
+        depth = 1 + 2 * workers
+        ended = False
+        while True:
+            while not ended and len(ahead) < depth:
+                try:
+                    packed = packer.next_step(stream)
+                except Exception as exc:
+                    if not ahead:
+                        raise
+                    ahead.append(_Ahead(None, error=exc))  # due when its step is
+                    packed = None
+                if packed is None:
+                    ended = True
+                else:
+                    ahead.append(_Ahead(packed))
+            if not ahead:
+                return
+            if workers:
+                for k, entry in enumerate(ahead):
+                    if entry.packed is not None and entry.ticket is None:
+                        raw = [s for b in entry.packed for s, _ in b]
+                        entry.ticket = transforms.submit_stream(raw, self._epoch, self._step + k)
+            entry = ahead[0]
+            if entry.packed is None:
+                assert entry.error is not None
+                raise entry.error
+            raw = [s for b in entry.packed for s, _ in b]
+            if entry.ticket is not None:
+                items = transforms.collect(entry.ticket)
+            elif transforms.active:
+                items = transforms.stream_step(raw, self._epoch, self._step)
+            else:
+                items = raw
+            ahead.popleft()
+            self._memo.remember(items, [n for b in entry.packed for _, n in b])
+            out, at = [], 0
+            for b in entry.packed:
+                out.append(items[at : at + len(b)])
+                at += len(b)
+            self._step += 1
+            yield out
 
     def _finish(self, packer: StepPacker, stream: _Stream, *, resumed: bool) -> None:
         if not resumed and stream.num_read == 0:
@@ -323,12 +455,19 @@ class IterableSource:
             "pending": None,
             "counters": None,
             "packing": self._packing(),
+            "ahead": None,  # raw samples of the steps packed ahead for the transform workers
         }
         live = self._live
         if self.stateful and live is not None:
-            packer, stream = live
+            packer, stream, ahead = live
             getter = self._samples.state_dict
             state["upstream"] = copy.deepcopy(getter())
+            steps = [
+                [[[sample, n] for sample, n in b] for b in a.packed]
+                for a in ahead
+                if a.packed is not None
+            ]
+            state["ahead"] = bytes(_wire.encode(steps)) if steps else None
             buffered = {
                 "items": [list(payload) for payload, _ in packer.pending],
                 "leftover": list(stream.leftover),

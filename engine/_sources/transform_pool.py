@@ -52,6 +52,8 @@ class Ticket:
     generation: int
     parts: tuple[tuple[_Worker, int, tuple[int, ...]], ...]
     step: int = -1  # the source's step, for trace spans (-1: unknown)
+    #: What a part's numbers are, for errors: dataset indices, or a stream step's slots.
+    label: str = "dataset indices"
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,27 @@ class TransformPool:
     def submit(self, indices: Sequence[int], epoch: int, step: int = -1) -> Ticket:
         """Send the work for ``indices`` to the workers (least loaded first); no waiting."""
         wanted = [int(i) for i in indices]
+        return self._send(wanted, epoch, step, lambda part: list(part), "dataset indices")
+
+    def submit_samples(self, samples: Sequence[Any], epoch: int, step: int) -> Ticket:
+        """Send a stream's raw ``samples`` of step ``step`` (pickled through the pipe) to be
+        transformed with the random state of ``(seed, epoch, step, slot)``; no waiting."""
+        items = list(samples)
+
+        def work(part: tuple[int, ...]) -> Any:
+            return ("samples", step, part[0], items[part[0] : part[-1] + 1])
+
+        label = f"the stream's samples of epoch {epoch}, step {step}, slots"
+        return self._send(list(range(len(items))), epoch, step, work, label)
+
+    def _send(
+        self,
+        wanted: list[int],
+        epoch: int,
+        step: int,
+        work: Callable[[tuple[int, ...]], Any],
+        label: str,
+    ) -> Ticket:
         with self._send_lock:
             self._closing = False
             workers = self._start()
@@ -159,13 +182,14 @@ class TransformPool:
                 task = next(self._tasks)
                 part = tuple(int(i) for i in chunk)
                 try:
-                    worker.conn.send((task, epoch, list(part)))
+                    worker.conn.send((task, epoch, work(part)))
                 except (OSError, EOFError):
-                    raise self._lost(worker, part, "could not be sent work", generation) from None
+                    what = f"{label} [{_shown(part)}]"
+                    raise self._lost(worker, what, "could not be sent work", generation) from None
                 worker.load += len(part)
                 self._sizes[task] = (worker, len(part))
                 parts.append((worker, task, part))
-            return Ticket(generation, tuple(parts), step)
+            return Ticket(generation, tuple(parts), step, label)
 
     def _start(self) -> list[_Worker]:
         if self._workers:
@@ -213,7 +237,7 @@ class TransformPool:
                         ticket.generation,
                         worker=worker,
                         task=task,
-                        part=part,
+                        what=f"{ticket.label} [{_shown(part)}]",
                         deadline=deadline,
                         timeout=timeout,
                     )
@@ -222,7 +246,7 @@ class TransformPool:
                         exc.add_note(f"{NOTE_PREFIX}while reading{of_step}.")
                     raise
                 if reply[0] != "ok":
-                    self.drop(Ticket(ticket.generation, ticket.parts[i + 1 :]))
+                    self.drop(Ticket(ticket.generation, ticket.parts[i + 1 :], ticket.step))
                     failure = reply[2]
                     pid = worker.process.pid
                     failure.add_note(
@@ -265,14 +289,14 @@ class TransformPool:
         *,
         worker: _Worker,
         task: int,
-        part: tuple[int, ...],
+        what: str,
         deadline: float,
         timeout: float,
     ) -> Any:
         with self._recv_lock:
             while True:
                 if generation != self._generation:
-                    raise self._stale(part)
+                    raise self._stale(what)
                 reply = self._done.pop(task, None)
                 if reply is not None:
                     return reply
@@ -281,15 +305,15 @@ class TransformPool:
                     handles = [worker.conn, worker.process.sentinel]
                     ready = multiprocessing.connection.wait(handles, timeout=max(left, 0.0))
                     if not ready:
-                        what = f"did not answer within timeout={timeout:g} s (hung)"
-                        raise self._lost(worker, part, what, generation)
+                        hung = f"did not answer within timeout={timeout:g} s (hung)"
+                        raise self._lost(worker, what, hung, generation)
                     got = worker.conn.recv()
                 except TransformWorkerError:
                     raise
                 except (EOFError, OSError, ValueError):
                     if generation != self._generation:
-                        raise self._stale(part) from None
-                    raise self._lost(worker, part, "died", generation) from None
+                        raise self._stale(what) from None
+                    raise self._lost(worker, what, "died", generation) from None
                 owner, size = self._sizes.pop(got[1], (worker, 0))
                 owner.load -= size
                 if got[1] in self._dropped:
@@ -299,15 +323,14 @@ class TransformPool:
                     continue
                 self._done[got[1]] = got
 
-    def _stale(self, part: tuple[int, ...]) -> TransformWorkerError:
+    def _stale(self, what: str) -> TransformWorkerError:
         why = "the loader was closed" if self._closing else "another read lost a worker"
         return TransformWorkerError(
-            f"The transform workers were stopped ({why}) before dataset indices "
-            f"[{_shown(part)}] were transformed."
+            f"The transform workers were stopped ({why}) before {what} were transformed."
         )
 
     def _lost(
-        self, worker: _Worker, part: tuple[int, ...], what: str, generation: int
+        self, worker: _Worker, work: str, what: str, generation: int
     ) -> TransformWorkerError:
         """Stop every worker (the next read starts fresh ones) and describe the loss."""
         process = worker.process
@@ -319,11 +342,11 @@ class TransformPool:
         elif code is not None:
             how = f" (exit code {code})"
         if self._closing:
-            return self._stale(part)
+            return self._stale(work)
         self._stop(1.0, generation)
         return TransformWorkerError(
-            f"Transform worker process {process.pid} {what}{how} while transforming dataset "
-            f"indices [{_shown(part)}]. Every worker was stopped; check the transform's memory "
+            f"Transform worker process {process.pid} {what}{how} while transforming {work}. "
+            "Every worker was stopped; check the transform's memory "
             "use and run time (a transform slower than LoaderConfig.timeout counts as hung)."
         )
 

@@ -1,11 +1,12 @@
 """A source's per-sample transform: in process, or in worker processes that read ahead.
 
-:class:`SampleTransforms` is what ``DatasetSource`` holds for its ``transform`` and
-``transform_workers``: it reads samples (``dataset[i]``) and transforms them with the random
-state of ``(seed, epoch, index)``, on the calling thread or in a :class:`TransformPool`; it
-submits the steps a source will read next before they are collected (``read_ahead``), keeps
-the time the transforms took and the reads waited (``report``), and warns when the
-transforms set the pace of a pass.
+:class:`SampleTransforms` is what ``DatasetSource`` and ``IterableSource`` hold for their
+``transform`` and ``transform_workers``: it reads samples (``dataset[i]``) and transforms
+them with the random state of ``(seed, epoch, index)`` (for a stream: transforms the raw
+samples of a packed step with that of ``(seed, epoch, step, slot)``), on the calling thread
+or in a :class:`TransformPool`; it submits the steps a source will read next before they are
+collected (``read_ahead``), keeps the time the transforms took and the reads waited
+(``report``), and warns when the transforms set the pace of a pass.
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._sources.transform_pool import Ticket, TransformPool, TransformReport
-from evenflow.engine._sources.workers import check_transform, read_samples, transform_samples
+from evenflow.engine._sources.workers import (
+    check_transform,
+    read_samples,
+    transform_samples,
+    transform_stream,
+)
 from evenflow.engine.errors import TransformWorkerError
 from evenflow.transports._remote import NOTE_PREFIX
 
@@ -87,6 +93,27 @@ class SampleTransforms:
             exc.add_note(f"{NOTE_PREFIX}while reading (source step {step}).")
             raise
         return pool.collect(ahead.pop(step), self.timeout)
+
+    def stream_step(self, samples: list[Any], epoch: int, step: int) -> list[Any]:
+        """A stream step's raw ``samples`` transformed on the calling thread (no workers)."""
+        if self._transform is None:
+            return samples
+        started = time.perf_counter()
+        try:
+            return transform_stream(samples, self._transform, self._seed, epoch, step)
+        finally:
+            self._inline_busy += time.perf_counter() - started
+
+    def submit_stream(self, samples: list[Any], epoch: int, step: int) -> Ticket:
+        """Send a stream step's raw ``samples`` to the workers; :meth:`collect` them later."""
+        try:
+            return self._workers().submit_samples(samples, epoch, step)
+        except TransformWorkerError as exc:  # a worker lost while sending
+            exc.add_note(f"{NOTE_PREFIX}while reading (source step {step}).")
+            raise
+
+    def collect(self, ticket: Ticket) -> list[Any]:
+        return self._workers().collect(ticket, self.timeout)
 
     def drop(self, ahead: dict[int, Ticket]) -> None:
         """Steps read ahead that will not be collected (the pass ended early)."""

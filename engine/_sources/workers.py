@@ -8,7 +8,9 @@ hold the training process's GIL.
 **Determinism.** ``rng`` is a ``numpy.random.Generator`` seeded by ``(seed, epoch, dataset
 index)`` alone: a sample gets the same random state whichever worker, rank or step reads it,
 so a sample moved by the plan, shared-dataset mode and any worker count (0 included) give
-bitwise the same samples.
+bitwise the same samples. An ``IterableSource`` has no dataset index: its training process
+iterates the stream and sends the raw samples of each packed step to the workers, and the
+key is ``(seed, epoch, step, slot)``, the sample's place in the steps the stream yields.
 
 **Processes.** Workers start with ``forkserver`` (``spawn`` where the platform lacks it),
 never ``fork``: forking a process that runs threads can copy a held lock and deadlock. The
@@ -59,7 +61,9 @@ __all__ = [
     "sample_rng",
     "start_context",
     "stop_workers",
+    "stream_rng",
     "transform_samples",
+    "transform_stream",
     "unpack",
     "worker_main",
 ]
@@ -95,6 +99,36 @@ def sample_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     """The random state of dataset index ``index`` in ``epoch``: a function of these three
     numbers only, so the same on every worker and rank."""
     return np.random.default_rng([seed, epoch, index])
+
+
+def stream_rng(seed: int, epoch: int, step: int, slot: int) -> np.random.Generator:
+    """The random state of an ``IterableSource`` sample: a stream has no dataset index, so
+    the key is the sample's place in the stream's steps (slot: its position in the step as
+    yielded), which is the same for any worker count, rank or resume."""
+    return np.random.default_rng([seed, epoch, step, slot])
+
+
+def transform_stream(
+    samples: list[Any],
+    transform: Callable[[Any, np.random.Generator], Any],
+    seed: int,
+    epoch: int,
+    step: int,
+    first_slot: int = 0,
+) -> list[Any]:
+    """``transform(sample, rng)`` for a stream step's samples from slot ``first_slot`` on; an
+    error gains a note naming the stream position (epoch, step, slot)."""
+    out = []
+    for slot, sample in enumerate(samples, start=first_slot):
+        try:
+            out.append(transform(sample, stream_rng(seed, epoch, step, slot)))
+        except BaseException as exc:
+            exc.add_note(
+                f"{NOTE_PREFIX}raised by the transform on the stream's sample of epoch "
+                f"{epoch}, step {step}, slot {slot}."
+            )
+            raise
+    return out
 
 
 def read_samples(dataset: Any, indices: Sequence[int]) -> list[Any]:
@@ -193,15 +227,23 @@ def worker_main(
             return
         if message is None:
             return
-        task, epoch, indices = message
+        task, epoch, work = message
         started = time.perf_counter()
         try:
-            samples = read_samples(dataset, indices)
-            out = (
-                samples
-                if transform is None
-                else transform_samples(samples, indices, transform, seed, epoch)
-            )
+            if isinstance(work, tuple):  # ("samples", step, first slot, a stream's samples)
+                _, step, first, raw = work
+                out = (
+                    raw
+                    if transform is None
+                    else transform_stream(raw, transform, seed, epoch, step, first)
+                )
+            else:  # dataset indices: read, then transform
+                samples = read_samples(dataset, work)
+                out = (
+                    samples
+                    if transform is None
+                    else transform_samples(samples, work, transform, seed, epoch)
+                )
             ended = time.perf_counter()  # CLOCK_MONOTONIC: comparable with the parent's
             reply = ("ok", task, _pack(out), ended - started, started, ended)
         except Exception as exc:
