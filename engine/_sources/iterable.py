@@ -44,8 +44,9 @@ from evenflow.engine._sources.packing import Item, StepPacker
 from evenflow.engine._sources.transform_pool import Ticket, TransformReport
 from evenflow.engine._sources.transforms import SampleTransforms
 from evenflow.engine._validate import check_bool, check_int
-from evenflow.engine.errors import ConfigError, ResumeError
+from evenflow.engine.errors import ConfigError, ResumeError, TransformWorkerError
 from evenflow.transports import _wire
+from evenflow.transports._remote import NOTE_PREFIX
 
 __all__ = ["IterableSource"]
 
@@ -396,10 +397,15 @@ class IterableSource:
             if not ahead:
                 return
             if workers:
-                for k, entry in enumerate(ahead):
-                    if entry.packed is not None and entry.ticket is None:
-                        raw = [s for b in entry.packed for s, _ in b]
-                        entry.ticket = transforms.submit_stream(raw, self._epoch, self._step + k)
+                try:
+                    for k, entry in enumerate(ahead):
+                        if entry.packed is not None and entry.ticket is None:
+                            raw = [s for b in entry.packed for s, _ in b]
+                            step = self._step + k
+                            entry.ticket = transforms.submit_stream(raw, self._epoch, step)
+                except TransformWorkerError as exc:  # a worker lost while sending: this step
+                    exc.add_note(f"{NOTE_PREFIX}while reading (source step {self._step}).")
+                    raise
             entry = ahead[0]
             if entry.packed is None:
                 assert entry.error is not None

@@ -149,7 +149,7 @@ class TransformPool:
     def submit(self, indices: Sequence[int], epoch: int, step: int = -1) -> Ticket:
         """Send the work for ``indices`` to the workers (least loaded first); no waiting."""
         wanted = [int(i) for i in indices]
-        return self._send(wanted, epoch, step, lambda part: list(part), "dataset indices")
+        return self._send(wanted, epoch, step, list, "dataset indices")
 
     def submit_samples(self, samples: Sequence[Any], epoch: int, step: int) -> Ticket:
         """Send a stream's raw ``samples`` of step ``step`` (pickled through the pipe) to be
@@ -329,9 +329,7 @@ class TransformPool:
             f"The transform workers were stopped ({why}) before {what} were transformed."
         )
 
-    def _lost(
-        self, worker: _Worker, work: str, what: str, generation: int
-    ) -> TransformWorkerError:
+    def _lost(self, worker: _Worker, work: str, what: str, generation: int) -> TransformWorkerError:
         """Stop every worker (the next read starts fresh ones) and describe the loss."""
         process = worker.process
         process.join(0.1)

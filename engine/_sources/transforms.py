@@ -100,17 +100,15 @@ class SampleTransforms:
             return samples
         started = time.perf_counter()
         try:
-            return transform_stream(samples, self._transform, self._seed, epoch, step)
+            return transform_stream(
+                samples, self._transform, seed=self._seed, epoch=epoch, step=step
+            )
         finally:
             self._inline_busy += time.perf_counter() - started
 
     def submit_stream(self, samples: list[Any], epoch: int, step: int) -> Ticket:
         """Send a stream step's raw ``samples`` to the workers; :meth:`collect` them later."""
-        try:
-            return self._workers().submit_samples(samples, epoch, step)
-        except TransformWorkerError as exc:  # a worker lost while sending
-            exc.add_note(f"{NOTE_PREFIX}while reading (source step {step}).")
-            raise
+        return self._workers().submit_samples(samples, epoch, step)
 
     def collect(self, ticket: Ticket) -> list[Any]:
         return self._workers().collect(ticket, self.timeout)

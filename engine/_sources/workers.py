@@ -111,6 +111,7 @@ def stream_rng(seed: int, epoch: int, step: int, slot: int) -> np.random.Generat
 def transform_stream(
     samples: list[Any],
     transform: Callable[[Any, np.random.Generator], Any],
+    *,
     seed: int,
     epoch: int,
     step: int,
@@ -235,7 +236,9 @@ def worker_main(
                 out = (
                     raw
                     if transform is None
-                    else transform_stream(raw, transform, seed, epoch, step, first)
+                    else transform_stream(
+                        raw, transform, seed=seed, epoch=epoch, step=step, first_slot=first
+                    )
                 )
             else:  # dataset indices: read, then transform
                 samples = read_samples(dataset, work)
