@@ -322,3 +322,38 @@ def test_stream_transform_settings_are_checked_at_construction() -> None:
     with pytest.raises(TypeError, match="transform must be callable"):
         IterableSource(rows, transform="tokenize")
     IterableSource(rows, transform=lambda s, rng: s)  # in process: any callable
+
+
+def _with_oversized(at: int) -> Any:
+    """A 96-sample stream whose sample ``at`` is longer than ``SEQ_LEN``."""
+    rows = [{"id": i, "input_ids": [1] * (SEQ_LEN + 1 if i == at else 20)} for i in range(96)]
+    return datasets.Dataset.from_list(rows).to_iterable_dataset()
+
+
+def test_an_error_packing_a_step_ahead_is_raised_at_that_step_not_earlier() -> None:
+    """With workers the source packs steps ahead; a stream error met while packing ahead
+    (here an oversized sample) must surface when its step is due, as without workers."""
+    from evenflow.engine import IterableSource
+    from evenflow.engine.errors import ConfigError
+
+    delivered = {}
+    for workers in (0, 2):
+        source = IterableSource(
+            _with_oversized(40),
+            seq_len=SEQ_LEN,
+            bins_per_rank=2,
+            transform=noisy,
+            transform_workers=workers,
+        )
+        source.bind_loader(seq_len=SEQ_LEN, bins_per_rank=2, rank=0, num_ranks=1)
+        steps = iter(source)
+        delivered[workers] = 0
+
+        def drain(steps: Iterator[Any] = steps, workers: int = workers) -> None:
+            for _ in steps:
+                delivered[workers] += 1
+
+        with pytest.raises(ConfigError, match=r"Sample 40 of epoch 0's stream has 65 tokens"):
+            drain()
+        assert source.close_workers() or workers == 0
+    assert delivered[0] == delivered[2] > 2, delivered
