@@ -2,9 +2,11 @@
 
 A read is :meth:`TransformPool.submit` (its indices split into chunks, each sent to the least
 loaded worker, without waiting) then :meth:`TransformPool.collect` (the chunks' results, in
-order). A source submits the steps it will read next before it collects the current one, so
-every worker always has queued work (as ``DataLoader`` keeps ``prefetch_factor`` batches per
-worker in flight) instead of idling while the pipeline plans, exchanges and packs.
+order); :meth:`TransformPool.submit_samples` sends an ``IterableSource`` step's raw samples
+instead of indices. A source submits the steps it will read next before it collects the
+current one, so every worker always has queued work (as ``DataLoader`` keeps
+``prefetch_factor`` batches per worker in flight) instead of idling while the pipeline plans,
+exchanges and packs.
 
 Each worker answers its tasks in the order they were sent. One thread at a time receives
 (``_recv_lock``); replies that belong to another caller's task are parked in ``_done`` for it.
@@ -58,7 +60,7 @@ class Ticket:
 
 @dataclass(frozen=True)
 class TransformReport:
-    """Where a rank's transform time went during a pass (``DatasetSource.transform_report``).
+    """Where a rank's transform time went during a pass (a source's ``transform_report``).
 
     ``busy_s``: seconds spent reading and transforming samples (in the workers, or on the
     loader's threads with ``workers=0``). ``wait_s``: seconds the source's reads waited for
