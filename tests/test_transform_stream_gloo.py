@@ -158,6 +158,7 @@ def _arms(rank: int, num_ranks: int) -> dict[str, Any]:
             "pids": sorted(pids),
             "gone": _gone(sorted(pids)),
             "dropped": None if report is None else report.num_dropped_samples,
+            "transform": loader.last_pass.transform.to_dict(),
         }
     return out
 
@@ -188,6 +189,8 @@ def test_stream_workers_give_every_sample_once_bitwise_for_any_worker_count_and_
             assert arm["batches"] == recorded[rank]["batches"], (rank, workers)
             assert len(arm["pids"]) == workers
             assert arm["gone"], "a worker outlived its loader"
+            # The pass summary reports this rank's transform time, in workers or in process.
+            assert arm["transform"]["workers"] == workers and arm["transform"]["busy_s"] > 0
         assert recorded[rank]["gone"] and len(recorded[rank]["pids"]) == 2
     delivered = [s for r in recorded for batch in r["batches"] for b in batch for s in b]
     ids = [s[0] for s in delivered]
@@ -357,3 +360,36 @@ def test_an_error_packing_a_step_ahead_is_raised_at_that_step_not_earlier() -> N
             drain()
         assert source.close_workers() or workers == 0
     assert delivered[0] == delivered[2] > 2, delivered
+
+
+def test_a_stream_without_state_resumes_by_replaying_onto_another_worker_count() -> None:
+    """A factory saves no position: the restored source re-packs the delivered steps (without
+    transforming them) and continues bitwise, whatever the worker counts."""
+    from evenflow.engine import IterableSource
+
+    def source(workers: int) -> Any:
+        made = IterableSource(
+            lambda: iter(_stream(0)),
+            seq_len=SEQ_LEN,
+            bins_per_rank=2,
+            seed=SEED,
+            transform=noisy,
+            transform_workers=workers,
+        )
+        made.bind_loader(seq_len=SEQ_LEN, bins_per_rank=2, rank=0, num_ranks=1)
+        return made
+
+    def packed(steps: Any) -> list[Any]:
+        return [[_pack(b, SEQ_LEN) for b in step] for step in steps]
+
+    full = packed(source(0))
+    saving = source(2)
+    steps = iter(saving)
+    head = packed(next(steps) for _ in range(5))
+    state = saving.state_dict()  # 4 later steps were sent to the workers by now
+    saving.close_workers()
+    assert head == full[:5] and state["ahead"] is None
+    restored = source(1)
+    restored.load_state_dict(state)
+    assert packed(restored) == full[5:]
+    restored.close_workers()
