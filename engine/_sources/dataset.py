@@ -37,8 +37,8 @@ from evenflow.engine._sources._common import (
 from evenflow.engine._sources._lengths import default_length, fingerprint, read_lengths
 from evenflow.engine._sources.elastic import Dealing
 from evenflow.engine._sources.packing import PackedSteps, StepPacker, pack_lengths
-from evenflow.engine._sources.transform_pool import Ticket, TransformReport
-from evenflow.engine._sources.transforms import SampleTransforms
+from evenflow.engine._sources.transform_pool import Ticket
+from evenflow.engine._sources.transforms import SampleTransforms, TransformWorkers
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError
 
@@ -60,7 +60,7 @@ class _Epoch:
     report: SourceReport
 
 
-class DatasetSource:
+class DatasetSource(TransformWorkers):
     """Steps of ``bins_per_rank`` bins of ``seq_len`` tokens from a map-style dataset.
 
     ``dataset``: anything with ``__len__`` and ``__getitem__`` (a list, a
@@ -333,38 +333,6 @@ class DatasetSource:
         was reading; from a worker it also keeps the worker's traceback as a note. A worker
         that dies or hangs past ``LoaderConfig.timeout`` raises ``TransformWorkerError``."""
         return self._transforms.read(indices, self._epoch if epoch is None else epoch)
-
-    @property
-    def transform_workers(self) -> int:
-        """Worker processes that read and transform samples (``0``: the loader's threads)."""
-        return self._transforms.workers
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """Process ids of the running transform workers (empty before the first read, after
-        ``close_workers()`` and with ``transform_workers=0``)."""
-        return self._transforms.pids
-
-    @property
-    def transform_report(self) -> TransformReport | None:
-        """The transform time of the current pass on this rank (from its first read), or
-        ``None`` without a transform or before the pass's first read."""
-        return self._transforms.report
-
-    def bind_workers(self, *, timeout: float) -> None:
-        """Called by the loader: a transform worker that does not answer within ``timeout``
-        seconds (``LoaderConfig.timeout``) counts as hung."""
-        self._transforms.timeout = float(timeout)
-
-    def trace_workers(self, tracer: Any) -> None:
-        """Called by the loader: the workers' spans go to its tracer, one track per worker
-        (``transform.w0``, ...; the step is the source's, ``-1`` for shared-mode reads)."""
-        self._transforms.trace(tracer)
-
-    def close_workers(self, timeout: float = 5.0) -> list[int]:
-        """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
-        ``close()`` calls this); returns their pids. The next read starts fresh ones."""
-        return self._transforms.close(timeout)
 
     def last_read_indices(self) -> npt.NDArray[np.int64] | None:
         """The dataset indices of the step the iterator yielded last, in sample order (the

@@ -41,8 +41,8 @@ from evenflow.engine._sources._common import (
 )
 from evenflow.engine._sources._lengths import default_length
 from evenflow.engine._sources.packing import Item, StepPacker
-from evenflow.engine._sources.transform_pool import Ticket, TransformReport
-from evenflow.engine._sources.transforms import SampleTransforms
+from evenflow.engine._sources.transform_pool import Ticket
+from evenflow.engine._sources.transforms import SampleTransforms, TransformWorkers
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError, TransformWorkerError
 from evenflow.transports import _wire
@@ -129,7 +129,7 @@ class _Ahead:
     error: BaseException | None = None
 
 
-class IterableSource:
+class IterableSource(TransformWorkers):
     """Steps of ``bins_per_rank`` bins of ``seq_len`` tokens from a stream of samples.
 
     ``samples``: a factory (``lambda: ...`` or ``lambda epoch: ...`` returning a fresh
@@ -254,38 +254,6 @@ class IterableSource:
     def report(self) -> SourceReport | None:
         """What the last finished pass delivered and left unread (this rank), or ``None``."""
         return self._report
-
-    @property
-    def transform_workers(self) -> int:
-        """Worker processes that transform samples (``0``: the loader's threads)."""
-        return self._transforms.workers
-
-    @property
-    def worker_pids(self) -> list[int]:
-        """Process ids of the running transform workers (empty before the first step, after
-        ``close_workers()`` and with ``transform_workers=0``)."""
-        return self._transforms.pids
-
-    @property
-    def transform_report(self) -> TransformReport | None:
-        """The transform time of the current pass on this rank, or ``None`` without a
-        transform or before the pass's first step."""
-        return self._transforms.report
-
-    def bind_workers(self, *, timeout: float) -> None:
-        """Called by the loader: a transform worker that does not answer within ``timeout``
-        seconds (``LoaderConfig.timeout``) counts as hung."""
-        self._transforms.timeout = float(timeout)
-
-    def trace_workers(self, tracer: Any) -> None:
-        """Called by the loader: record the workers' spans on ``tracer`` (``transform.w0``,
-        ...; the step is the source's)."""
-        self._transforms.trace(tracer)
-
-    def close_workers(self, timeout: float = 5.0) -> list[int]:
-        """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
-        ``close()`` calls it); returns their pids. The next step starts fresh ones."""
-        return self._transforms.close(timeout)
 
     def metadata_fn(self, sample: Any) -> SampleMetadata:
         """The ``metadata_fn`` for a ``BalancedLoader`` over this source (the length the source

@@ -28,9 +28,48 @@ from evenflow.engine._sources.workers import (
 from evenflow.engine.errors import TransformWorkerError
 from evenflow.transports._remote import NOTE_PREFIX
 
-__all__ = ["SampleTransforms"]
+__all__ = ["SampleTransforms", "TransformWorkers"]
 
 logger = logging.getLogger("evenflow")
+
+
+class TransformWorkers:
+    """The transform members both step sources show the user and the loader, over the
+    source's ``_transforms`` (a :class:`SampleTransforms`)."""
+
+    _transforms: SampleTransforms
+
+    @property
+    def transform_workers(self) -> int:
+        """Worker processes that transform samples (``0``: the loader's threads)."""
+        return self._transforms.workers
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the running transform workers (empty before the first read, after
+        ``close_workers()`` and with ``transform_workers=0``)."""
+        return self._transforms.pids
+
+    @property
+    def transform_report(self) -> TransformReport | None:
+        """The transform time of the current pass on this rank (from its first read), or
+        ``None`` without a transform or before the pass's first read."""
+        return self._transforms.report
+
+    def bind_workers(self, *, timeout: float) -> None:
+        """Called by the loader: a transform worker that does not answer within ``timeout``
+        seconds (``LoaderConfig.timeout``) counts as hung."""
+        self._transforms.timeout = float(timeout)
+
+    def trace_workers(self, tracer: Any) -> None:
+        """Called by the loader: the workers' spans go to its tracer, one track per worker
+        (``transform.w0``, ...; the step is the source's, ``-1`` for shared-mode reads)."""
+        self._transforms.trace(tracer)
+
+    def close_workers(self, timeout: float = 5.0) -> list[int]:
+        """Stop and reap the transform workers within about ``timeout`` seconds (the loader's
+        ``close()`` calls this); returns their pids. The next read starts fresh ones."""
+        return self._transforms.close(timeout)
 
 
 class SampleTransforms:
