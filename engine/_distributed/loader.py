@@ -31,7 +31,7 @@ from evenflow.engine._pipeline.parts import (
     loader_parts,
     resume_identity,
 )
-from evenflow.engine._pipeline.resume import loader_state, read_state
+from evenflow.engine._pipeline.resume import earlier_epoch_error, loader_state, read_state
 from evenflow.engine.errors import (
     ConfigError,
     GroupMismatchError,
@@ -377,12 +377,7 @@ class DistributedLoader(LoaderFacade):
             if epoch == self._epoch:
                 return
             if epoch < self._epoch:
-                raise LoaderStateError(
-                    f"set_epoch({epoch}) after load_state_dict() of a state in epoch "
-                    f"{self._epoch} (step {self._step}) would train epochs the run has already "
-                    f"trained. Call set_epoch({self._epoch}) to continue where the state left "
-                    "off (or start the epoch loop there), or do not restore."
-                )
+                raise earlier_epoch_error(epoch, self._epoch, self._step)
         self._new_pass(epoch)
 
     @property

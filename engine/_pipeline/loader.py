@@ -40,6 +40,7 @@ from evenflow.engine._pipeline.pipeline import Pipeline
 from evenflow.engine._pipeline.read_assigned import AssignedReader, shared_identity, shared_source
 from evenflow.engine._pipeline.resume import (
     Restore,
+    earlier_epoch_error,
     loader_state,
     read_state,
     restore_source,
@@ -358,12 +359,7 @@ class BalancedLoader(LoaderFacade):
             if epoch == restored.epoch:
                 return
             if epoch < restored.epoch:
-                raise LoaderStateError(
-                    f"set_epoch({epoch}) after load_state_dict() of a state in epoch "
-                    f"{restored.epoch} (step {restored.step}) would train epochs the run has "
-                    f"already trained. Call set_epoch({restored.epoch}) to continue where the "
-                    "state left off (or start the epoch loop there), or do not restore."
-                )
+                raise earlier_epoch_error(epoch, restored.epoch, restored.step)
             logger.warning(
                 "evenflow: set_epoch(%d) after restoring a state at epoch %d step %d: the rest "
                 "of epoch %d is skipped.",

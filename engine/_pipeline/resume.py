@@ -50,7 +50,7 @@ from typing import Any
 import msgpack
 
 from evenflow.engine._sources.elastic import has_global_position, not_elastic_reason
-from evenflow.engine.errors import ResumeError
+from evenflow.engine.errors import LoaderStateError, ResumeError
 from evenflow.transports import _wire
 from evenflow.transports.errors import EncodeError, WireFormatError
 
@@ -59,6 +59,7 @@ __all__ = [
     "STATE_VERSION",
     "Restore",
     "describe_difference",
+    "earlier_epoch_error",
     "loader_state",
     "read_state",
     "restore_source",
@@ -404,3 +405,14 @@ def _decode(raw: Any, what: str) -> Any:
 
 def _rank_order(key: str) -> tuple[int, str]:
     return (int(key), key) if key.isdigit() else (1 << 62, key)
+
+
+def earlier_epoch_error(epoch: int, restored_epoch: int, restored_step: int) -> LoaderStateError:
+    """The refusal of ``set_epoch(epoch)`` right after restoring a state of a later epoch (the
+    same rule on every rank of a model-parallel group: constructor and follower)."""
+    return LoaderStateError(
+        f"set_epoch({epoch}) after load_state_dict() of a state in epoch {restored_epoch} "
+        f"(step {restored_step}) would train epochs the run has already trained. Call "
+        f"set_epoch({restored_epoch}) to continue where the state left off (or start the "
+        "epoch loop there), or do not restore."
+    )
