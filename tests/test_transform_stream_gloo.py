@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.transforms import gloo_loader, gone, noisy, pack_noisy, stuck
 
 from evenflow.transports.launch import RankPool, run_ranks
 
@@ -28,9 +29,6 @@ N = 96  # samples per rank's stream
 SEQ_LEN = 64
 SEED = 7
 EPOCH = 1
-#: Elements of each transformed sample's array: a chunk is larger than the shared-memory
-#: threshold, so results come back through shared memory.
-ARRAY = 4096
 
 
 @pytest.fixture(scope="module")
@@ -50,32 +48,7 @@ def _stream(rank: int) -> Any:
     return datasets.Dataset.from_dict(rows).to_iterable_dataset()
 
 
-def noisy(sample: dict[str, Any], rng: np.random.Generator, bad: int = -1) -> dict[str, Any]:
-    """A randomized transform: noise from ``rng`` and an array filled from it."""
-    if sample["id"] == bad:
-        raise ValueError("this sample cannot be transformed")
-    return {
-        "id": sample["id"],
-        "input_ids": sample["input_ids"],
-        "noise": float(rng.random()),
-        "array": np.full(ARRAY, rng.integers(1 << 40), dtype=np.int64),
-    }
-
-
-def stuck(sample: dict[str, Any], rng: np.random.Generator, bad: int = -1) -> dict[str, Any]:
-    if sample["id"] == bad:
-        time.sleep(120)
-    return noisy(sample, rng)
-
-
-def _pack(samples: list[dict[str, Any]], seq_len: int) -> list[tuple[int, float, int]]:
-    assert sum(len(s["input_ids"]) for s in samples) <= seq_len
-    out = []
-    for s in samples:
-        array = s["array"]
-        assert array.shape == (ARRAY,) and (array == array[0]).all()
-        out.append((int(s["id"]), s["noise"], int(array[0])))
-    return out
+_loader = functools.partial(gloo_loader, seq_len=SEQ_LEN)
 
 
 def _source(rank: int, workers: int, transform: Any = noisy) -> Any:
@@ -105,38 +78,6 @@ def _positions(rank: int) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _loader(source: Any, timeout: float = 30.0, depth: int = 2) -> Any:
-    from evenflow.engine import BalancedLoader, LoaderConfig
-    from evenflow.transports import GlooTransport
-
-    config = LoaderConfig(
-        seq_len=SEQ_LEN,
-        bins_per_rank=2,
-        prefetch_depth=depth,
-        log_stats=False,
-        timeout=timeout,
-        close_timeout=2.0,
-    )
-    return BalancedLoader(
-        source,
-        config=config,
-        transport=GlooTransport(timeout=30.0),
-        metadata_fn=source.metadata_fn,
-        pack_fn=_pack,
-        cost_model="quadratic",
-    )
-
-
-def _gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        return False
-    return True
-
-
 def _arms(rank: int, num_ranks: int) -> dict[str, Any]:
     """One epoch per worker count; the recording arm (2 workers) also saves every state."""
     del num_ranks
@@ -156,7 +97,7 @@ def _arms(rank: int, num_ranks: int) -> dict[str, Any]:
             "batches": batches,
             "states": states,
             "pids": sorted(pids),
-            "gone": _gone(sorted(pids)),
+            "gone": gone(sorted(pids)),
             "dropped": None if report is None else report.num_dropped_samples,
             "transform": loader.last_pass.transform.to_dict(),
         }
@@ -252,7 +193,7 @@ def _failing(rank: int, num_ranks: int, how: str) -> dict[str, Any]:
         "text": "\n".join([str(error), *getattr(error, "__notes__", [])]),
         "step": getattr(error, "step", None),
         "pids": sorted(pids),
-        "gone": _gone(sorted(pids)),
+        "gone": gone(sorted(pids)),
     }
 
 
@@ -298,7 +239,9 @@ def test_close_mid_epoch_reaps_stuck_stream_workers_within_its_deadline() -> Non
     config = LoaderConfig(
         seq_len=SEQ_LEN, bins_per_rank=2, prefetch_depth=3, log_stats=False, close_timeout=2.0
     )
-    loader = BalancedLoader(source, config=config, metadata_fn=source.metadata_fn, pack_fn=_pack)
+    loader = BalancedLoader(
+        source, config=config, metadata_fn=source.metadata_fn, pack_fn=pack_noisy
+    )
     loader.set_epoch(EPOCH)
     it = iter(loader)
     next(it)
@@ -307,7 +250,7 @@ def test_close_mid_epoch_reaps_stuck_stream_workers_within_its_deadline() -> Non
     started = time.monotonic()
     loader.close()
     took = time.monotonic() - started
-    assert _gone(pids)
+    assert gone(pids)
     assert took < 30.0, took  # close_timeout=2 s: generous margin on a shared 2-core host
 
 
@@ -380,7 +323,7 @@ def test_a_stream_without_state_resumes_by_replaying_onto_another_worker_count()
         return made
 
     def packed(steps: Any) -> list[Any]:
-        return [[_pack(b, SEQ_LEN) for b in step] for step in steps]
+        return [[pack_noisy(b, SEQ_LEN) for b in step] for step in steps]
 
     full = packed(source(0))
     saving = source(2)

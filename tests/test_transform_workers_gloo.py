@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from testkit.transforms import gloo_loader, gone, noisy, pack_noisy, stuck
 
 from evenflow.transports.launch import RankPool, run_ranks
 
@@ -25,9 +26,6 @@ datasets = pytest.importorskip("datasets")
 N = 160
 SEQ_LEN = 64
 SEED = 5
-#: Elements of the array each transformed sample carries: a chunk of samples is larger than
-#: the shared-memory threshold, so results come back through shared memory.
-ARRAY = 4096
 
 
 @pytest.fixture(scope="module")
@@ -43,32 +41,7 @@ def _dataset() -> Any:
     )
 
 
-def noisy(sample: dict[str, Any], rng: np.random.Generator, bad: int = -1) -> dict[str, Any]:
-    """A randomized transform: noise from ``rng`` and an array filled from it."""
-    if sample["id"] == bad:
-        raise ValueError("this sample cannot be transformed")
-    return {
-        "id": sample["id"],
-        "input_ids": sample["input_ids"],
-        "noise": float(rng.random()),
-        "array": np.full(ARRAY, rng.integers(1 << 40), dtype=np.int64),
-    }
-
-
-def stuck(sample: dict[str, Any], rng: np.random.Generator, bad: int = -1) -> dict[str, Any]:
-    if sample["id"] == bad:
-        time.sleep(120)
-    return noisy(sample, rng)
-
-
-def _pack(samples: list[dict[str, Any]], seq_len: int) -> list[tuple[int, float, int]]:
-    assert sum(len(s["input_ids"]) for s in samples) <= seq_len
-    out = []
-    for s in samples:
-        array = s["array"]
-        assert array.shape == (ARRAY,) and (array == array[0]).all()
-        out.append((int(s["id"]), s["noise"], int(array[0])))
-    return out
+_loader = functools.partial(gloo_loader, seq_len=SEQ_LEN)
 
 
 def _source(rank: int, num_ranks: int, mode: str, workers: int, transform: Any = noisy) -> Any:
@@ -85,38 +58,6 @@ def _source(rank: int, num_ranks: int, mode: str, workers: int, transform: Any =
         transform=transform,
         transform_workers=workers,
     )
-
-
-def _loader(source: Any, timeout: float = 30.0, depth: int = 2) -> Any:
-    from evenflow.engine import BalancedLoader, LoaderConfig
-    from evenflow.transports import GlooTransport
-
-    config = LoaderConfig(
-        seq_len=SEQ_LEN,
-        bins_per_rank=2,
-        prefetch_depth=depth,
-        log_stats=False,
-        timeout=timeout,
-        close_timeout=2.0,
-    )
-    return BalancedLoader(
-        source,
-        config=config,
-        transport=GlooTransport(timeout=30.0),
-        metadata_fn=source.metadata_fn,
-        pack_fn=_pack,
-        cost_model="quadratic",
-    )
-
-
-def _gone(pids: list[int]) -> bool:
-    for pid in pids:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            continue
-        return False
-    return True
 
 
 ARMS = (("payload", 0), ("payload", 1), ("payload", 3), ("shared", 0), ("shared", 2))
@@ -139,7 +80,7 @@ def _arms(rank: int, num_ranks: int) -> dict[str, Any]:
             "batches": batches,
             "states": states,
             "pids": sorted(pids),
-            "gone": _gone(sorted(pids)),
+            "gone": gone(sorted(pids)),
             "read": [
                 int(i)
                 for step in range(len(batches))
@@ -237,7 +178,7 @@ def _failing(rank: int, num_ranks: int, how: str, mode: str) -> dict[str, Any]:
         "text": "\n".join([str(error), *getattr(error, "__notes__", [])]),
         "step": getattr(error, "step", None),
         "pids": sorted(pids),
-        "gone": _gone(sorted(pids)),
+        "gone": gone(sorted(pids)),
         "bad": bad,
     }
 
@@ -290,7 +231,9 @@ def test_close_mid_epoch_reaps_stuck_workers_within_its_deadline() -> None:
     config = LoaderConfig(
         seq_len=SEQ_LEN, bins_per_rank=2, prefetch_depth=3, log_stats=False, close_timeout=2.0
     )
-    loader = BalancedLoader(source, config=config, metadata_fn=source.metadata_fn, pack_fn=_pack)
+    loader = BalancedLoader(
+        source, config=config, metadata_fn=source.metadata_fn, pack_fn=pack_noisy
+    )
     it = iter(loader)
     next(it)
     pids = source.worker_pids
@@ -298,7 +241,7 @@ def test_close_mid_epoch_reaps_stuck_workers_within_its_deadline() -> None:
     started = time.monotonic()
     loader.close()
     took = time.monotonic() - started
-    assert _gone(pids)
+    assert gone(pids)
     assert took < 30.0, took  # close_timeout=2 s: generous margin on a shared 2-core host
 
 
@@ -328,9 +271,9 @@ def test_workers_exit_when_the_training_process_dies(tmp_path: Any) -> None:
     assert len(pids) == 2
     # The workers watch the parent's pid every 0.5 s; allow a generous 30 s on a busy host.
     until = time.monotonic() + 30.0
-    while not _gone(pids) and time.monotonic() < until:
+    while not gone(pids) and time.monotonic() < until:
         time.sleep(0.1)
-    assert _gone(pids), f"transform workers {pids} outlived their training process"
+    assert gone(pids), f"transform workers {pids} outlived their training process"
 
 
 def slow(sample: dict[str, Any], rng: np.random.Generator) -> dict[str, Any]:
@@ -348,7 +291,7 @@ def test_the_pass_summary_reports_transform_time_and_warns_when_transforms_set_t
     tracer = Tracer()
     began = time.perf_counter()
     loader = BalancedLoader(
-        source, config=config, metadata_fn=source.metadata_fn, pack_fn=_pack, tracer=tracer
+        source, config=config, metadata_fn=source.metadata_fn, pack_fn=pack_noisy, tracer=tracer
     )
     with caplog.at_level("WARNING", logger="evenflow"), loader:
         steps = sum(1 for _ in loader)
