@@ -85,13 +85,15 @@ def _arms(rank: int, num_ranks: int) -> dict[str, Any]:
     for workers in (2, 0, 1, 3):
         source = _source(rank, workers)
         loader = _loader(source)
-        batches, states, pids = [], [], set()
+        batches, states, pids, work = [], [], set(), []
         with loader:
             loader.set_epoch(EPOCH)
             for batch in loader:
                 batches.append(batch)
                 states.append(loader.state_dict())
                 pids.update(source.worker_pids)
+                step = loader.last_stats.transform
+                work.append([step.workers, step.samples])
         report = source.report
         out[workers] = {
             "batches": batches,
@@ -100,6 +102,7 @@ def _arms(rank: int, num_ranks: int) -> dict[str, Any]:
             "gone": gone(sorted(pids)),
             "dropped": None if report is None else report.num_dropped_samples,
             "transform": loader.last_pass.transform.to_dict(),
+            "work": work,
         }
     return out
 
@@ -132,7 +135,14 @@ def test_stream_workers_give_every_sample_once_bitwise_for_any_worker_count_and_
             assert arm["gone"], "a worker outlived its loader"
             # The pass summary reports this rank's transform time, in workers or in process.
             assert arm["transform"]["workers"] == workers and arm["transform"]["busy_s"] > 0
+            # StepStats.transform: the raw samples this rank's step held, for any worker count.
+            counts = [n for _, n in recorded[rank]["work"]]
+            assert arm["work"] == [[workers, n] for n in counts], (rank, workers)
         assert recorded[rank]["gone"] and len(recorded[rank]["pids"]) == 2
+    # Each sample is transformed once, by the rank whose stream yielded it.
+    transformed = sum(n for r in recorded for _, n in r["work"])
+    delivered = sum(len(b) for r in recorded for batch in r["batches"] for b in batch)
+    assert transformed == delivered
     delivered = [s for r in recorded for batch in r["batches"] for b in batch for s in b]
     ids = [s[0] for s in delivered]
     assert len(ids) == len(set(ids)), "a sample delivered twice"

@@ -69,23 +69,29 @@ def _arms(rank: int, num_ranks: int) -> dict[str, Any]:
     for mode, workers in (("payload", 2), *ARMS):
         source = _source(rank, num_ranks, mode, workers)
         loader = _loader(source)
-        batches, states, pids = [], [], set()
+        batches, states, pids, work = [], [], set(), []
         with loader:
             loader.set_epoch(1)
             for batch in loader:
                 batches.append(batch)
                 states.append(loader.state_dict())
                 pids.update(source.worker_pids)
+                step = loader.last_stats.transform
+                work.append((step.workers, step.samples, step.busy_s, step.wait_s))
         out[f"{mode}/{workers}"] = {
             "batches": batches,
             "states": states,
             "pids": sorted(pids),
             "gone": gone(sorted(pids)),
+            "work": work,
             "read": [
                 int(i)
                 for step in range(len(batches))
                 for b in source.step_indices(step)
                 for i in b.tolist()
+            ],
+            "read_sizes": [
+                sum(len(b) for b in source.step_indices(step)) for step in range(len(batches))
             ],
         }
     return out
@@ -116,6 +122,14 @@ def test_workers_give_every_sample_once_bitwise_for_any_worker_count_mode_and_re
             assert arm["batches"] == recorded[rank]["batches"], (rank, mode, workers)
             assert len(arm["pids"]) == workers
             assert arm["gone"], "a worker outlived its loader"
+            # StepStats.transform: this rank's own work for each step, by its workers: the
+            # samples it read (payload mode) or was assigned (shared mode).
+            if mode == "shared":
+                counts = [sum(map(len, batch)) for batch in arm["batches"]]
+            else:
+                counts = arm["read_sizes"]
+            assert [list(w[:2]) for w in arm["work"]] == [[workers, c] for c in counts], (mode, workers)
+            assert all(busy > 0 and wait >= 0 for _, _, busy, wait in arm["work"])
         assert recorded[rank]["gone"] and len(recorded[rank]["pids"]) == 2
     delivered = [s for r in recorded for batch in r["batches"] for b in batch for s in b]
     ids = [s[0] for s in delivered]
@@ -293,9 +307,16 @@ def test_the_pass_summary_reports_transform_time_and_warns_when_transforms_set_t
     loader = BalancedLoader(
         source, config=config, metadata_fn=source.metadata_fn, pack_fn=pack_noisy, tracer=tracer
     )
+    work = []
     with caplog.at_level("WARNING", logger="evenflow"), loader:
-        steps = sum(1 for _ in loader)
-    assert steps == 16
+        for batch in loader:
+            work.append((loader.last_stats.transform, sum(map(len, batch))))
+    assert len(work) == 16
+    # Each step's own figures: the samples it transformed (one rank: those it delivers),
+    # at least their sleeps of busy time, and what the pass summary sums.
+    for step, samples in work:
+        assert step.workers == 1 and step.samples == samples
+        assert step.busy_s >= 0.03 * samples
     report = loader.last_pass.transform
     assert report is not None and report.workers == 1
     assert report.busy_s >= 0.03 * 16  # at least the sleeps of the samples delivered

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import time
 import weakref
@@ -697,6 +698,8 @@ class BalancedLoader(LoaderFacade):
         self._delivered = state.step + 1
         self._source_state = state.resume_source
         self._source_after = state.source_state
+        if state.stats is not None and state.transform is not None:
+            state.stats = dataclasses.replace(state.stats, transform=state.transform)
         self._last_stats = state.stats
         world = state.loss_world if self._world_transport is not None else state.loss_group
         self._last_loss_tokens = step_loss_tokens(

@@ -777,6 +777,7 @@ class Pipeline:
         try:
             messages = state.step_messages()
             state.received = await self._assigned.read(state.step, state.routes, messages)
+            state.transform = self._assigned.last_transform
         except Exception as exc:
             state.fail("read_assigned", exc)
 

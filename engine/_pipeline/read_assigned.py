@@ -102,6 +102,9 @@ class AssignedReader:
         self._source = source
         self._executor = executor
         self._threads = max(1, threads)
+        #: The transform work of the last :meth:`read` (a ``StepTransform``, or ``None``
+        #: when the source has no transform); read it right after the read returns.
+        self.last_transform: Any = None
 
     async def read(
         self, step: int, routes: RankRoutes, messages: Mapping[int, Sequence[dict[str, Any]]]
@@ -125,10 +128,14 @@ class AssignedReader:
                 for a, b in itertools.pairwise(bounds)
             )
         )
-        samples = [sample for part in parts for sample in part]
+        samples = [sample for part, _ in parts for sample in part]
+        work = [figure for _, figure in parts if figure is not None]
+        self.last_transform = sum(work[1:], work[0]) if work else None
         return dict(zip(keys, samples, strict=True))
 
-    def _read_chunk(self, step: int, indices: list[int]) -> list[Any]:
+    def _read_chunk(self, step: int, indices: list[int]) -> tuple[list[Any], Any]:
+        """A chunk's samples, and (right after the read, on its thread) the transform work
+        the source did for them."""
         try:
             samples = list(self._source.read(indices))
             if len(samples) != len(indices):
@@ -136,7 +143,8 @@ class AssignedReader:
                     f"read({len(indices)} indices) returned {len(samples)} samples; it must "
                     "return one sample per index, in order."
                 )
-            return samples
+            last_transform = getattr(self._source, "last_read_transform", None)
+            return samples, last_transform() if callable(last_transform) else None
         except TransformWorkerError:
             raise  # names its indices; reading them again would restart the workers
         except Exception:

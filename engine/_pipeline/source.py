@@ -87,7 +87,8 @@ class SourceReader:
                 if result is None:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
-                described, state.source_state, state.prepared, state.indices = result
+                described, state.source_state, state.prepared, state.indices = result[:4]
+                state.transform = result[4]
             state.samples, state.sizes, state.metas = described
             state.steps_left = self._steps_left(step)
         except Exception as exc:
@@ -174,17 +175,22 @@ class SourceReader:
         state_dict = getattr(self._source, "state_dict", None)
         return state_dict() if callable(state_dict) else None
 
-    def _read_sync(self, step: int) -> tuple[Described, Any, list[Prepared] | None, Any] | None:
+    def _read_sync(
+        self, step: int
+    ) -> tuple[Described, Any, list[Prepared] | None, Any, Any] | None:
         assert isinstance(self._iter, Iterator)
         try:
             raw = next(self._iter)
         except StopIteration:
             return None
-        # Right after next(), on the same thread: the indices of the step just read.
+        # Right after next(), on the same thread: the indices of the step just read and
+        # the transform work its read did.
         indices = self._last_indices()
+        last_transform = getattr(self._source, "last_read_transform", None)
+        transform = last_transform() if callable(last_transform) else None
         described = self._describe(raw, step)
         prepared = _prepared(described[0]) if self._prepare else None
-        return described, self._source_state(), prepared, indices
+        return described, self._source_state(), prepared, indices, transform
 
     def _last_indices(self) -> Any:
         last = getattr(self._source, "last_read_indices", None)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._plan import BalanceDecision, Plan
+from evenflow.engine._sources.transform_pool import StepTransform
 from evenflow.engine.errors import ConfigError
 
 __all__ = ["BalanceTally", "StepStats", "step_stats"]
@@ -30,7 +31,8 @@ def _spread(costs: tuple[float, ...]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class StepStats:
-    """What balancing did to one step (identical on every rank of the group).
+    """What balancing did to one step (identical on every rank of the group, except
+    :attr:`transform`, which is each rank's own).
 
     Costs are in the cost model's units (e.g. FLOPs), per group rank. ``cost_before`` is what
     each rank read (the source layout); ``cost_after`` what it trains on (the accepted plan).
@@ -53,6 +55,10 @@ class StepStats:
     received: tuple[int, ...]
     decision: BalanceDecision
     digest: str
+    #: This rank's transform work for the step (a source with ``transform=``; ``None``
+    #: otherwise): the one field that differs between ranks, since each rank transforms
+    #: its own samples.
+    transform: StepTransform | None = None
 
     @property
     def max_cost_before(self) -> float:
@@ -146,6 +152,7 @@ class StepStats:
             "outlier_excess": self.outlier_excess,
             "outlier_share": self.outlier_share,
             "digest": self.digest,
+            "transform": None if self.transform is None else self.transform.to_dict(),
         }
 
     def log_line(self) -> str:

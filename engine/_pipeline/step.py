@@ -73,6 +73,7 @@ class StepState:
     resume_source: Any = None  # the source state a checkpoint taken after this step records
     steps_left: int | None = None  # source steps after this one, where the source has a len()
     indices: Any = None  # the samples' dataset indices (int64), where the source knows them
+    transform: Any = None  # this rank's StepTransform for the step, when the source has one
     error: BaseException | None = None
     error_stage: str = ""
     remote: BaseException | None = None  # a group-wide error to raise at this step

@@ -34,7 +34,7 @@ from evenflow.engine._sources.workers import start_context, stop_workers, unpack
 from evenflow.engine.errors import TransformWorkerError
 from evenflow.transports._remote import NOTE_PREFIX
 
-__all__ = ["Ticket", "TransformPool", "TransformReport"]
+__all__ = ["StepTransform", "Ticket", "TransformPool", "TransformReport"]
 
 
 class _Worker:
@@ -56,6 +56,41 @@ class Ticket:
     step: int = -1  # the source's step, for trace spans (-1: unknown)
     #: What a part's numbers are, for errors: dataset indices, or a stream step's slots.
     label: str = "dataset indices"
+
+
+@dataclass(frozen=True, slots=True)
+class StepTransform:
+    """This rank's transform work for one step (``StepStats.transform``).
+
+    ``busy_s``: seconds spent reading and transforming the step's samples on this rank (in
+    the workers, summed over them, or on the loader's threads with ``workers=0``).
+    ``wait_s``: seconds the step's reads waited for workers that had not finished (``0.0``
+    without workers): how far the transforms were behind the loader on this step.
+    ``samples``: samples transformed. In payload mode (and for a stream) these are the
+    samples this rank read for the step; in shared-dataset mode, the samples the plan
+    assigned to it.
+    """
+
+    workers: int
+    samples: int
+    busy_s: float
+    wait_s: float
+
+    def __add__(self, other: StepTransform) -> StepTransform:
+        return StepTransform(
+            max(self.workers, other.workers),
+            self.samples + other.samples,
+            self.busy_s + other.busy_s,
+            self.wait_s + other.wait_s,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "samples": self.samples,
+            "busy_s": self.busy_s,
+            "wait_s": self.wait_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -136,6 +171,8 @@ class TransformPool:
         self.busy_seconds = 0.0
         #: The loader's tracer: one span per chunk, on one track per worker.
         self.tracer: Any = None
+        #: Per thread: ``(busy, wait)`` seconds of the last :meth:`collect` on that thread.
+        self.last = threading.local()
 
     @property
     def num_workers(self) -> int:
@@ -229,6 +266,7 @@ class TransformPool:
         started = time.monotonic()
         deadline = started + timeout
         out: list[Any] = []
+        busy = 0.0
         # The source's step, named in the error of the rank that fails (its peers' error
         # names the step anyway).
         of_step = f" (source step {ticket.step})" if ticket.step >= 0 else ""
@@ -259,12 +297,15 @@ class TransformPool:
                     )
                     raise failure
                 out.extend(unpack(reply[2]))
-                self.busy_seconds += reply[3]
+                busy += reply[3]
                 tracer = self.tracer
                 if tracer is not None:
                     tracer.add(worker.stage, ticket.step, reply[4], reply[5], samples=len(part))
         finally:
-            self.wait_seconds += time.monotonic() - started
+            waited = time.monotonic() - started
+            self.wait_seconds += waited
+            self.busy_seconds += busy
+            self.last.figures = (busy, waited)
         return out
 
     def run(self, indices: Sequence[int], epoch: int, timeout: float) -> list[Any]:

@@ -12,13 +12,19 @@ collected (``read_ahead``), keeps the time the transforms took and the reads wai
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from evenflow.engine._sources.transform_pool import Ticket, TransformPool, TransformReport
+from evenflow.engine._sources.transform_pool import (
+    StepTransform,
+    Ticket,
+    TransformPool,
+    TransformReport,
+)
 from evenflow.engine._sources.workers import (
     check_transform,
     read_samples,
@@ -55,6 +61,11 @@ class TransformWorkers:
         """The transform time of the current pass on this rank (from its first read), or
         ``None`` without a transform or before the pass's first read."""
         return self._transforms.report
+
+    def last_read_transform(self) -> StepTransform | None:
+        """Called by the loader right after a read, on the thread that read: that read's
+        transform work (``None`` without a transform)."""
+        return self._transforms.last_read()
 
     def bind_workers(self, *, timeout: float) -> None:
         """Called by the loader: a transform worker that does not answer within ``timeout``
@@ -94,6 +105,7 @@ class SampleTransforms:
         #: Seconds a worker may stay silent before it counts as hung (LoaderConfig.timeout).
         self.timeout = 300.0
         self._tracer: Any = None
+        self._last = threading.local()  # per thread: the StepTransform of its last read
 
     @property
     def active(self) -> bool:
@@ -107,15 +119,16 @@ class SampleTransforms:
         """The samples at ``indices``, transformed (in the workers when there are any)."""
         wanted = [int(i) for i in indices]
         if self.workers:
-            return self._workers().run(wanted, epoch, self.timeout)
+            pool = self._workers()
+            return self._pooled(pool, pool.run(wanted, epoch, self.timeout) if wanted else [])
+        started = time.perf_counter()
         samples = read_samples(self._dataset, wanted)
         if self._transform is None:
             return samples
-        started = time.perf_counter()
         try:
             return transform_samples(samples, wanted, self._transform, self._seed, epoch)
         finally:
-            self._inline_busy += time.perf_counter() - started
+            self._inline(started, len(wanted))
 
     def read_ahead(
         self, step: int, later: Sequence[list[int]], ahead: dict[int, Ticket], epoch: int
@@ -131,7 +144,7 @@ class SampleTransforms:
         except TransformWorkerError as exc:  # a worker lost while sending: this step fails
             exc.add_note(f"{NOTE_PREFIX}while reading (source step {step}).")
             raise
-        return pool.collect(ahead.pop(step), self.timeout)
+        return self._pooled(pool, pool.collect(ahead.pop(step), self.timeout))
 
     def stream_step(self, samples: list[Any], epoch: int, step: int) -> list[Any]:
         """A stream step's raw ``samples`` transformed on the calling thread (no workers)."""
@@ -143,14 +156,34 @@ class SampleTransforms:
                 samples, self._transform, seed=self._seed, epoch=epoch, step=step
             )
         finally:
-            self._inline_busy += time.perf_counter() - started
+            self._inline(started, len(samples))
 
     def submit_stream(self, samples: list[Any], epoch: int, step: int) -> Ticket:
         """Send a stream step's raw ``samples`` to the workers; :meth:`collect` them later."""
         return self._workers().submit_samples(samples, epoch, step)
 
     def collect(self, ticket: Ticket) -> list[Any]:
-        return self._workers().collect(ticket, self.timeout)
+        pool = self._workers()
+        return self._pooled(pool, pool.collect(ticket, self.timeout))
+
+    def last_read(self) -> StepTransform | None:
+        """The transform work of the calling thread's last read, once (then ``None``)."""
+        last = getattr(self._last, "step", None)
+        self._last.step = None
+        return last
+
+    def _inline(self, started: float, samples: int) -> None:
+        """A read transformed on the calling thread: its time is busy time, no wait."""
+        busy = time.perf_counter() - started
+        self._inline_busy += busy
+        self._last.step = StepTransform(0, samples, busy, 0.0)
+
+    def _pooled(self, pool: TransformPool, samples: list[Any]) -> list[Any]:
+        """A read the workers did: the busy and wait figures of its collect."""
+        busy, wait = getattr(pool.last, "figures", (0.0, 0.0))
+        pool.last.figures = (0.0, 0.0)
+        self._last.step = StepTransform(self.workers, len(samples), busy, wait)
+        return samples
 
     def drop(self, ahead: dict[int, Ticket]) -> None:
         """Steps read ahead that will not be collected (the pass ended early)."""

@@ -253,10 +253,19 @@ def worker_main(
             reply = ("error", task, _portable(exc), traceback.format_exc())
         try:
             conn.send(reply)
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the training process is gone: nobody maps the result
+            _discard(reply)
             return
         except Exception as exc:  # the samples cannot be pickled
+            _discard(reply)
             conn.send(("error", task, _portable(exc), traceback.format_exc()))
+
+
+def _discard(reply: tuple[Any, ...]) -> None:
+    """Unlink the shared-memory segment of a result that was never sent."""
+    if reply[0] == "ok" and reply[2][0] == "shm":
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(_SHM_DIR, reply[2][2]))
 
 
 def _portable(exc: BaseException) -> BaseException:

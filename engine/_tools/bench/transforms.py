@@ -22,9 +22,13 @@ sample, since a DataLoader step holds a fixed number of samples and an evenflow 
 as its packed bins hold), data stall (time the training loop
 waits for the batch over step time), the training process's CPU time outside the training
 step per step (``time.process_time`` minus the training thread's ``time.thread_time`` inside
-the step: every other thread of the process, so an upper bound on the GIL time the data path
-holds; it includes Gloo's own threads, which run without the GIL), and transform throughput
-scaling (throughput against one worker).
+the step: every other thread of the process, including Gloo's own C++ threads, which run
+without the GIL), the **GIL time** of the data path per step (the CPU time of the process's
+Python threads other than the training thread, each read from its own CPU clock
+(``pthread_getcpuclockid``), plus the training thread's CPU time inside ``next()``: a Python
+thread runs Python only while it holds the GIL, so this bounds the time the data path held it,
+counting only system calls that release it besides), and transform throughput scaling
+(throughput against one worker).
 
 The host's core count is printed: with 2 ranks on a 2-core machine, worker processes still
 compete with the training processes for the same cores, so scaling beyond one worker per
@@ -40,6 +44,7 @@ import logging
 import os
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -137,6 +142,32 @@ def _collate_dataloader(samples: list[dict[str, Any]]) -> Any:
     return _rows(samples, _BINS)
 
 
+class _ThreadClocks:
+    """CPU seconds the process's Python threads other than the calling one used since the
+    last :meth:`lap`, each from its own CPU clock. A thread that ended between two laps loses
+    its last lap's time (the loader's threads live as long as the loader)."""
+
+    def __init__(self) -> None:
+        self._me = threading.get_ident()
+        self._seen: dict[int, float] = {}
+
+    def lap(self) -> float:
+        used = 0.0
+        now: dict[int, float] = {}
+        for thread in threading.enumerate():
+            ident = thread.ident
+            if ident is None or ident == self._me:
+                continue
+            try:
+                cpu = time.clock_gettime(time.pthread_getcpuclockid(ident))
+            except (OSError, ValueError):  # ended since enumerate()
+                continue
+            now[ident] = cpu
+            used += cpu - self._seen.get(ident, 0.0)
+        self._seen = now
+        return used
+
+
 def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
@@ -166,22 +197,27 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
 
     def timed(batches: Any) -> dict[str, Any]:
         dist.barrier()
-        walls, waits, other_cpu = [], [], []
+        walls, waits, other_cpu, gil = [], [], [], []
         it = iter(batches)
+        clocks = _ThreadClocks()
+        clocks.lap()
         for _ in range(steps):
-            t0, p0 = time.perf_counter(), time.process_time()
+            t0, p0, c0 = time.perf_counter(), time.process_time(), time.thread_time()
             batch = next(it)
-            t1 = time.perf_counter()
+            t1, in_next = time.perf_counter(), time.thread_time() - c0
             train_cpu = train(batch)
             walls.append(time.perf_counter() - t0)
             waits.append(t1 - t0)
             other_cpu.append(time.process_time() - p0 - train_cpu)
-        walls, waits, other_cpu = walls[_WARMUP:], waits[_WARMUP:], other_cpu[_WARMUP:]
+            gil.append(clocks.lap() + in_next)
+        walls, waits = walls[_WARMUP:], waits[_WARMUP:]
+        other_cpu, gil = other_cpu[_WARMUP:], gil[_WARMUP:]
         step = sum(walls) / len(walls)
         return {
             "step_time_s": step,
             "data_stall": sum(waits) / sum(walls),
             "other_cpu_ms": 1e3 * statistics.median(other_cpu),
+            "gil_ms": 1e3 * statistics.median(gil),
             "samples_per_s": None,
         }
 
@@ -255,6 +291,7 @@ def _summarize(spec: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, A
             "step_time_s": max(c["step_time_s"] for c in per_rank),
             "data_stall": max(c["data_stall"] for c in per_rank),
             "other_cpu_ms": max(c["other_cpu_ms"] for c in per_rank),
+            "gil_ms": max(c["gil_ms"] for c in per_rank),
             "samples_per_s": min(c["samples_per_s"] for c in per_rank),
         }
     for work in spec["work_ms"]:
@@ -294,9 +331,9 @@ def _targets(spec: dict[str, Any], cases: dict[str, Any]) -> list[dict[str, Any]
             )
         targets.append(
             {
-                "name": f"{arm}: CPU outside the step <= 5 ms/step at {heavy:g} ms/sample",
-                "value": case["other_cpu_ms"],
-                "status": "PASS" if case["other_cpu_ms"] <= 5.0 else "MISS",
+                "name": f"{arm}: data path's GIL time <= 5 ms/step at {heavy:g} ms/sample",
+                "value": case["gil_ms"],
+                "status": "PASS" if case["gil_ms"] <= 5.0 else "MISS",
             }
         )
     return targets
@@ -311,16 +348,21 @@ def _print_text(doc: dict[str, Any]) -> None:
     )
     print(
         f"{'case':<26}{'step ms':>9}{'vs DL*':>8}{'stall %':>9}{'CPU ms/step':>13}"
-        f"{'samples/s':>11}{'x w1':>7}"
+        f"{'GIL ms/step':>13}{'samples/s':>11}{'x w1':>7}"
     )
     for key, c in doc["cases"].items():
         vs = "" if c["vs_dataloader"] is None else f"{c['vs_dataloader']:.2f}"
         sc = "" if c["scaling_vs_1"] is None else f"{c['scaling_vs_1']:.2f}"
         print(
             f"{key:<26}{1e3 * c['step_time_s']:>9.1f}{vs:>8}{100 * c['data_stall']:>9.1f}"
-            f"{c['other_cpu_ms']:>13.2f}{c['samples_per_s']:>11.1f}{sc:>7}"
+            f"{c['other_cpu_ms']:>13.2f}{c['gil_ms']:>13.2f}{c['samples_per_s']:>11.1f}{sc:>7}"
         )
     print("* vs DL: samples/s over the DataLoader arm's at equal N (same work level)")
+    print(
+        "CPU ms/step: every thread but the training step's (Gloo's C++ threads included); "
+        "GIL ms/step: the Python threads' CPU besides the training step (the data path's "
+        "GIL time, bounded above)"
+    )
     for t in doc["targets"]:
         print(f"{t['status']:<5} {t['name']}: {t['value']:.2f}")
     print(f"wall {doc['wall_s']:.0f} s")
