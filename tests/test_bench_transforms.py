@@ -21,10 +21,11 @@ def test_bad_arguments_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.multiprocess
 def test_quick_json_reports_every_arm(capsys: pytest.CaptureFixture[str]) -> None:
     # A quick run on a loaded machine may miss its targets: report them without judging.
-    assert main(["--quick", "--json", "--report-only"]) == 0
+    assert main(["--quick", "--stream", "--json", "--report-only"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["benchmark"] == "transforms"
-    assert set(doc["cases"]) == {"2ms/threads", "2ms/dataloader-1", "2ms/workers-1"}
+    arms = {"threads", "dataloader-1", "workers-1", "stream-1"}
+    assert set(doc["cases"]) == {f"2ms/{arm}" for arm in arms}
     for case in doc["cases"].values():
         assert case["step_time_s"] > 0 and case["samples_per_s"] > 0
         assert 0.0 <= case["data_stall"] <= 1.0
@@ -35,4 +36,5 @@ def test_quick_json_reports_every_arm(capsys: pytest.CaptureFixture[str]) -> Non
     assert cases["2ms/threads"]["gil_ms"] > cases["2ms/workers-1"]["gil_ms"]
     assert doc["cases"]["2ms/workers-1"]["vs_dataloader"] > 0
     assert doc["cases"]["2ms/workers-1"]["scaling_vs_1"] == 1.0
+    assert doc["cases"]["2ms/stream-1"]["vs_dataloader"] > 0
     assert {t["status"] for t in doc["targets"]} <= {"PASS", "MISS"} and doc["targets"]

@@ -11,7 +11,10 @@ arm once per round):
   start with ``forkserver``, as the training process runs threads);
 * ``threads``: evenflow, ``DatasetSource(transform=..., transform_workers=0)``: the read and
   the transform on the loader's threads, inside the training process;
-* ``workers-N``: evenflow with ``transform_workers=N`` worker processes.
+* ``workers-N``: evenflow with ``transform_workers=N`` worker processes;
+* ``stream-N`` (with ``--stream``): evenflow over an ``IterableSource`` of the same raw
+  samples (this rank's share, as a list) with ``transform_workers=N``: the stream is iterated
+  and packed in the training process and each step's raw samples go to the workers.
 
 Figures per arm (median over rounds; within a round, the steps after the first ``_WARMUP``,
 as a mean: queues filled during the warm-up, by the DataLoader's ``2·N`` batches and
@@ -55,6 +58,7 @@ import numpy as np
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._sources.dataset import DatasetSource
+from evenflow.engine._sources.iterable import IterableSource
 from evenflow.engine._sources.workers import start_context
 from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.engine._validate import check_int, check_number
@@ -136,6 +140,10 @@ _PACKED = [0]
 def _pack(samples: list[dict[str, Any]], seq_len: int) -> Any:
     _PACKED[0] += len(samples)
     return _rows(samples, 1)[0]
+
+
+def _num_tokens(sample: dict[str, Any]) -> int:
+    return len(sample["input_ids"])
 
 
 def _collate_dataloader(samples: list[dict[str, Any]]) -> Any:
@@ -249,12 +257,21 @@ def _bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, An
                     out["samples_per_step"] = per_step
                     del loader
                 else:
-                    source = DatasetSource(
-                        _Data(lengths, loops, transformed=False),
-                        seed=0,
-                        transform=transform,
-                        transform_workers=0 if kind == "threads" else int(n),
-                    )
+                    raw = _Data(lengths, loops, transformed=False)
+                    workers = 0 if kind == "threads" else int(n)
+                    source: Any
+                    if kind == "stream":
+                        source = IterableSource(
+                            [raw[i] for i in range(rank, len(raw), num_ranks)],
+                            length_fn=_num_tokens,
+                            seed=0,
+                            transform=transform,
+                            transform_workers=workers,
+                        )
+                    else:
+                        source = DatasetSource(
+                            raw, seed=0, transform=transform, transform_workers=workers
+                        )
                     config = LoaderConfig(
                         seq_len=_SEQ_LEN,
                         bins_per_rank=_BINS,
@@ -304,10 +321,11 @@ def _summarize(spec: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, A
             case["vs_dataloader"] = (
                 None if ref is None else case["samples_per_s"] / ref["samples_per_s"]
             )
-            one = cases.get(f"{work:g}ms/workers-1")
+            kind = arm.partition("-")[0]
+            one = cases.get(f"{work:g}ms/{kind}-1")
             case["scaling_vs_1"] = (
                 None
-                if one is None or not arm.startswith("workers")
+                if one is None or kind not in ("workers", "stream")
                 else (case["samples_per_s"] / one["samples_per_s"])
             )
     return cases
@@ -317,7 +335,7 @@ def _targets(spec: dict[str, Any], cases: dict[str, Any]) -> list[dict[str, Any]
     targets = []
     heavy = max(spec["work_ms"])
     for arm in spec["arms"]:
-        if not arm.startswith("workers"):
+        if not arm.startswith(("workers", "stream")):
             continue
         case = cases[f"{heavy:g}ms/{arm}"]
         ratio = case["vs_dataloader"]
@@ -395,6 +413,11 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         "--steps", type=int, default=None, help="steps per arm (default 60, 8 with --quick)"
     )
     parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="also run stream-N: an IterableSource with N transform workers",
+    )
+    parser.add_argument(
         "--rounds", type=int, default=None, help="alternated rounds (default 2, 1 with --quick)"
     )
     parser.add_argument(
@@ -429,7 +452,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench transfor
         return 2
     arms = ["threads"]
     for n in workers:
-        arms += [f"dataloader-{n}", f"workers-{n}"]
+        arms += [f"dataloader-{n}", f"workers-{n}"] + ([f"stream-{n}"] if args.stream else [])
     spec = {
         "work_ms": [float(w) for w in work],
         "arms": arms,
