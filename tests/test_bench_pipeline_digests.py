@@ -9,7 +9,7 @@ from evenflow.engine._tools.bench import pipeline_digests as pd
 
 pytestmark = pytest.mark.multiprocess
 
-NAMES = ["payload", "shared-window2"]
+NAMES = ["payload", "shared-device1-window2"]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,9 @@ def test_two_runs_agree_and_record_batches_plans_spans_and_collectives(lines: li
             assert f"{head}/resume/s{pd._CUT}" in keys
             assert f"{head}/trace/plan" in keys and f"{head}/call0" in keys
     assert any(k.endswith("/trace/exchange") for k in keys if "/payload/" in k)
-    assert any(k.endswith("/trace/read_assigned") for k in keys if "/shared-window2/" in k)
+    shared = [k for k in keys if "/shared-device1-window2/" in k]
+    assert any(k.endswith("/trace/read_assigned") for k in shared)
+    assert any(k.endswith("/trace/h2d") for k in shared)  # the device path ran
 
 
 def test_compare_finds_a_changed_batch_a_changed_plan_and_a_missing_call(
@@ -47,7 +49,7 @@ def test_compare_finds_a_changed_batch_a_changed_plan_and_a_missing_call(
     count, _ = pd.compare_lines(lines, changed)
     assert count == 2 * len(NAMES)  # one step on each rank of each configuration
 
-    last = max(i for i, line in enumerate(lines) if "/shared-window2/r0/call" in line)
+    last = max(i for i, line in enumerate(lines) if "/shared-device1-window2/r0/call" in line)
     count, report = pd.compare_lines(lines, lines[:last] + lines[last + 1 :])
     assert count == 1 and "(absent)" in report[1], report
 

@@ -14,9 +14,10 @@ seeded synthetic dataset built here, and prints one line per fact:
   carried (structure, sizes and a digest of the content), never its timing.
 
 Configurations: payload and shared-dataset mode (``DatasetSource(shared=True)``), a balance
-window, ``objective="lockstep"``, leader planning and a device depth (``device="cpu"`` with
-``device_prefetch_depth=1``: the host path). Each runs two epochs and then a fresh loader
-restored from a state saved mid-way through the second epoch, which replays the tail.
+window, ``objective="lockstep"``, leader planning and a device depth (``device_prefetch_depth=1``
+on a stand-in accelerator that acts on the host, so that a CPU-only machine runs the device
+path: slots, pinning, the ``h2d`` stage). Each runs two epochs and then a fresh loader restored
+from a state saved mid-way through the second epoch, which replays the tail.
 
 It uses only long-standing public entry points (``BalancedLoader``, ``LoaderConfig``,
 ``DatasetSource``, ``Tracer``, ``GlooTransport``, ``WrappedTransport``), so another build can run
@@ -48,8 +49,8 @@ _SAMPLES_PER_RANK = 30  # with lengths 4..40 and two 64-token bins a rank: ~6 st
 _CUT = 3  # the resumed loader restores the state saved after this many steps of epoch 1
 _TIMEOUT = 20.0
 
-#: name -> settings. ``mode``: ``payload`` or ``shared``; the rest are ``LoaderConfig`` fields,
-#: and ``device``, which is passed to the loader.
+#: name -> settings. ``mode``: ``payload`` or ``shared``; ``device``: run with the stand-in
+#: accelerator (:func:`_stand_in_device`); the rest are ``LoaderConfig`` fields.
 CONFIGS: dict[str, dict[str, Any]] = {
     "payload": {"mode": "payload"},
     "shared": {"mode": "shared"},
@@ -57,10 +58,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "shared-window2": {"mode": "shared", "balance_window": 2},
     "payload-lockstep": {"mode": "payload", "objective": "lockstep"},
     "payload-leader": {"mode": "payload", "planning": "leader", "prefetch_depth": 1},
-    "payload-device1": {"mode": "payload", "device": "cpu", "device_prefetch_depth": 1},
+    "payload-device1": {"mode": "payload", "device": True, "device_prefetch_depth": 1},
     "shared-device1-window2": {
         "mode": "shared",
-        "device": "cpu",
+        "device": True,
         "device_prefetch_depth": 1,
         "balance_window": 2,
     },
@@ -168,13 +169,90 @@ def _recording_transport(inner: Any) -> Any:
     return Recording(inner)
 
 
+class _Stream:
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+
+class _Event:
+    def record(self, stream: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Context:
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _HostDevice:
+    """The slice of ``torch.cuda`` the loader's device stager uses, acting on the host: every
+    stream and event is complete at once. With it (and batches left where they are by
+    ``move_fn``) a CPU-only run takes the device path: device slots, pinning of the steps that
+    wait, the ``h2d`` stage and its spans."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def Stream(self, device: Any = None) -> _Stream:
+        return _Stream()
+
+    def Event(self) -> _Event:
+        return _Event()
+
+    def stream(self, stream: Any) -> _Context:
+        return _Context()
+
+    def current_stream(self, device: Any = None) -> _Stream:
+        return _Stream()
+
+
+def _stand_in_device() -> None:
+    """Give this rank process a host stand-in for an accelerator (see :class:`_HostDevice`);
+    pinning becomes a copy, as a CPU-only build of torch cannot pin."""
+    import torch
+
+    from evenflow.engine._pipeline import h2d
+
+    if not hasattr(h2d, "_load_device_module"):
+        raise RuntimeError(
+            "evenflow.engine._pipeline.h2d has no _load_device_module, the hook through which "
+            "this tool gives the loader a stand-in accelerator; update _stand_in_device() to "
+            "the build's hook (the device-prefetch tests use the same one)."
+        )
+    h2d._load_device_module = lambda device: _HostDevice()
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self.clone()  # type: ignore[method-assign]
+
+
+def _keep(batch: Any, device: Any) -> Any:
+    """``move_fn`` of the stand-in device: the batch stays on the host."""
+    return batch
+
+
 def _loader(name: str, rank: int, num_ranks: int, seed: int) -> tuple[Any, Any, Any]:
     from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig, Tracer
     from evenflow.transports import GlooTransport
 
     settings = dict(CONFIGS[name])
     mode = settings.pop("mode")
-    device = settings.pop("device", None)
+    device = settings.pop("device", False)
     source = DatasetSource(
         _dataset(num_ranks, seed),
         seq_len=_SEQ_LEN,
@@ -196,7 +274,8 @@ def _loader(name: str, rank: int, num_ranks: int, seed: int) -> tuple[Any, Any, 
         transport=transport,
         metadata_fn=source.metadata_fn,
         cost_model="quadratic",
-        device=device,
+        device="cuda:0" if device else None,
+        move_fn=_keep if device else None,
         tracer=tracer,
     )
     return loader, transport, tracer
@@ -249,6 +328,8 @@ def _rank_main(rank: int, num_ranks: int, names: list[str], seed: int) -> dict[s
     import torch
 
     torch.set_num_threads(1)
+    if any(CONFIGS[name].get("device") for name in names):
+        _stand_in_device()
     return {name: _run_config(name, rank, num_ranks, seed) for name in names}
 
 
