@@ -74,7 +74,7 @@ from evenflow.engine._tracing import NullTracer, Tracer
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError
 from evenflow.engine.workloads import make_step, step_source
-from evenflow.transports._gloo import GlooTransport
+from evenflow.transports import GlooTransport
 from evenflow.transports.launch import LaunchError, run_ranks
 
 __all__ = ["main"]
