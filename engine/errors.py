@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-from evenflow.transports._remote import RemoteErrorInfo, one_line, traceback_note
 from evenflow.transports.errors import (
     CollectiveMismatchError,
     ConfigError,
@@ -31,6 +30,7 @@ from evenflow.transports.errors import (
     TransportTimeoutError,
     WireFormatError,
 )
+from evenflow.transports.internal import RemoteErrorInfo, one_line, traceback_note
 
 __all__ = [
     "CollectiveMismatchError",

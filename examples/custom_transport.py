@@ -6,7 +6,8 @@ What it shows:
   (``all_gather``, ``broadcast``, ``exchange``), ``aclose()`` for the lifecycle, and the
   identity (``rank``, ``num_ranks``, ``global_ranks``, ``timeout``) passed to the base class;
 * proving the contract with the public conformance suite,
-  ``evenflow.transports.testing.check_transport``, run by every rank of a group at once;
+  ``evenflow.transports.testing.check_transport``, given a maker of fresh groups (a function
+  that wraps every member of a new in-process group);
 * handing the transport to ``BalancedLoader`` and reading the counters after a few steps.
 
 Bytes are counted as wire frames (``evenflow.transports.encode``): one frame per value
@@ -121,11 +122,13 @@ async def use_in_loader(transport: Transport, num_steps: int) -> str:
 
 
 async def run(num_ranks: int, num_steps: int) -> None:
-    # 1. The conformance suite, on a fresh group (it closes the transports it checks).
-    group = InProcessGroup(num_ranks, timeout=30.0)
-    await asyncio.gather(
-        *(check_transport(CountingTransport(group.transport(r))) for r in range(num_ranks))
-    )
+    # 1. The conformance suite. It takes a maker: every check runs on a new group, whose
+    #    members it drives from this loop and closes after the check.
+    def counting_group() -> list[CountingTransport]:
+        group = InProcessGroup(num_ranks, timeout=30.0)
+        return [CountingTransport(group.transport(r)) for r in range(num_ranks)]
+
+    await check_transport(counting_group)
     print(f"CountingTransport passed check_transport on {num_ranks} ranks")
     # 2. The transport under a loader, on another fresh group.
     group = InProcessGroup(num_ranks, timeout=30.0)

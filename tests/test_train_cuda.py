@@ -61,9 +61,11 @@ def _rank_conformance(rank: int, num_ranks: int) -> float:
     torch.cuda.set_device(rank % NUM_GPUS)
 
     async def main() -> float:
-        transport = DeviceTransport(device=f"cuda:{rank % NUM_GPUS}", timeout=20.0)
         start = time.monotonic()
-        await check_transport(transport, large_bytes=16 << 20)
+        await check_transport(
+            lambda: DeviceTransport(device=f"cuda:{rank % NUM_GPUS}", timeout=20.0),
+            large_bytes=16 << 20,
+        )
         return time.monotonic() - start
 
     return asyncio.run(main())

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,24 +60,41 @@ def test_conformance_with_timeout_check(threads: bool) -> None:
     )
 
 
+def _members(num_ranks: int, **group_kwargs: Any) -> list[InProcessTransport]:
+    """Every member of a new in-process group: a maker for check_transport."""
+    group = InProcessGroup(num_ranks, **group_kwargs)
+    return [group.transport(rank) for rank in range(num_ranks)]
+
+
 @pytest.mark.asyncio
 async def test_conformance_with_default_large_payload() -> None:
-    await run_inprocess(2, check_transport)
+    await check_transport(lambda: _members(2))
+
+
+@pytest.mark.asyncio
+async def test_conformance_with_an_async_maker_of_one_member() -> None:
+    async def make() -> InProcessTransport:
+        return InProcessGroup(1).transport(0)
+
+    await check_transport(make, large_bytes=0)
 
 
 @pytest.mark.asyncio
 async def test_a_wrapped_transport_passes_the_conformance_suite_and_closes_its_inner() -> None:
     inner: list[InProcessTransport] = []
 
-    async def wrapped(t: InProcessTransport) -> None:
-        inner.append(t)
-        wrapper = WrappedTransport(t)
-        assert (wrapper.rank, wrapper.num_ranks, wrapper.timeout) == (t.rank, 2, t.timeout)
-        await check_transport(wrapper, large_bytes=1 << 10)
-        assert wrapper.closed
+    def make() -> list[WrappedTransport]:
+        members = _members(2)
+        inner.extend(members)
+        wrappers = [WrappedTransport(t) for t in members]
+        assert [(w.rank, w.num_ranks, w.timeout) for w in wrappers] == [
+            (t.rank, 2, t.timeout) for t in members
+        ]
+        return wrappers
 
-    await run_inprocess(2, wrapped)
-    assert len(inner) == 2 and all(t.closed for t in inner)
+    await check_transport(make, large_bytes=1 << 10)
+    # One fresh group per check, two for the check of independent groups; all closed.
+    assert len(inner) == 2 * 11 and all(t.closed for t in inner)
 
 
 def test_a_wrapped_transport_needs_a_transport() -> None:
@@ -84,24 +102,93 @@ def test_a_wrapped_transport_needs_a_transport() -> None:
         WrappedTransport({})  # type: ignore[arg-type]
 
 
+def _failed_checks(group: BaseExceptionGroup[Any]) -> set[str]:
+    return {str(e).split("]")[0].removeprefix("[").split(":")[0] for e in group.exceptions}
+
+
 @pytest.mark.asyncio
-async def test_conformance_suite_detects_a_broken_transport() -> None:
+async def test_conformance_suite_detects_a_broken_transport_in_every_check_it_breaks() -> None:
     class Reversing(InProcessTransport):
         async def all_gather(self, obj: Any) -> list[Any]:
             return list(reversed(await super().all_gather(obj)))
 
-    group = InProcessGroup(2, timeout=5.0)
-    broken = [Reversing(group, rank, None) for rank in range(2)]
+    def make() -> list[InProcessTransport]:
+        group = InProcessGroup(2, timeout=5.0)
+        return [Reversing(group, rank, None) for rank in range(2)]
 
-    async def run(t: InProcessTransport) -> None:
-        try:
-            await check_transport(t, large_bytes=0)
-        finally:
-            await t.aclose()
+    with pytest.raises(ExceptionGroup) as caught:
+        await check_transport(make, large_bytes=0)
+    failures = caught.value.exceptions
+    assert all(isinstance(e, AssertionError) for e in failures), failures
+    assert str(failures[0]).startswith("[sanity]")
+    # Every check that gathers fails on its own fresh group; those that never gather pass.
+    failed = _failed_checks(caught.value)
+    assert {"sanity", "all_gather", "mixed operation 0", "async with"} <= failed, failed
+    assert not failed & {"broadcast", "exchange: uneven", "close"}, failed
+    assert "transport conformance checks failed (sanity, all_gather" in str(caught.value)
 
-    results = await asyncio.gather(*(run(t) for t in broken), return_exceptions=True)
-    assert all(isinstance(r, AssertionError) for r in results), results
-    assert "[sanity]" in str(results[0])
+
+@pytest.mark.asyncio
+async def test_conformance_suite_checks_a_second_close() -> None:
+    class ClosesOnce(InProcessTransport):
+        async def aclose(self) -> None:
+            if self.closed:
+                raise RuntimeError("closed twice")
+            await super().aclose()
+
+    def make() -> list[InProcessTransport]:
+        group = InProcessGroup(2, timeout=5.0)
+        return [ClosesOnce(group, rank, None) for rank in range(2)]
+
+    with pytest.raises(ExceptionGroup) as caught:
+        await check_transport(make, large_bytes=0)
+    # Only the checks that close a transport themselves see a second close (the suite's own,
+    # after the check); every other check passes.
+    errors = caught.value.exceptions
+    assert all(isinstance(e, RuntimeError) for e in errors), errors
+    checks = {re.findall(r"check '([^']+)'", " ".join(e.__notes__))[0] for e in errors}
+    assert checks == {"close", "async with", "fresh instances"}
+    assert "3 of 10 transport conformance checks failed (close, async with, fresh" in str(
+        caught.value
+    )
+
+
+@pytest.mark.asyncio
+async def test_conformance_suite_needs_a_maker_of_fresh_transports() -> None:
+    transport = InProcessGroup(1).transport(0)
+    with pytest.raises(
+        TypeError,
+        match=r"make_group must be a maker of fresh transports, but "
+        r"got the transport <InProcessTransport rank=0/1 .*check_transport\(lambda",
+    ):
+        await check_transport(transport)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"make_group must be a callable .* but got 3"):
+        await check_transport(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="must return a Transport or a non-empty sequence"):
+        await check_transport(lambda: [])
+    with pytest.raises(TypeError, match="an earlier check already used"):
+        await check_transport(lambda: transport)
+    group = InProcessGroup(2)
+    with pytest.raises(TypeError, match="members of one group"):
+        await check_transport(lambda: [group.transport(0), group.transport(0)])
+
+
+@pytest.mark.asyncio
+async def test_a_failing_maker_ends_the_suite_with_what_failed_so_far() -> None:
+    calls = 0
+
+    def make() -> list[InProcessTransport]:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("no more groups")
+        return _members(2)
+
+    with pytest.raises(ExceptionGroup) as caught:
+        await check_transport(make, large_bytes=0)
+    [error] = caught.value.exceptions
+    assert isinstance(error, RuntimeError) and calls == 3
+    assert "make_group failed before the conformance check 'broadcast'." in error.__notes__
 
 
 # -- collective semantics --------------------------------------------------------------------

@@ -30,12 +30,13 @@ from evenflow.transports.testing import check_transport
 
 @pytest.mark.asyncio
 async def test_conformance() -> None:
-    await check_transport(LocalTransport())
+    # The class is a maker: every check gets a new LocalTransport.
+    await check_transport(LocalTransport)
 
 
 @pytest.mark.asyncio
 async def test_conformance_with_timeout_check_is_a_no_op_for_one_rank() -> None:
-    await check_transport(LocalTransport(), large_bytes=0, check_timeout=True)
+    await check_transport(LocalTransport, large_bytes=0, check_timeout=True)
 
 
 @pytest.mark.asyncio

@@ -159,15 +159,49 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def all_gather(self, obj: Any) -> list[Any]:
-        """Every member's ``obj``, ordered by group rank."""
+        """Every member's ``obj``, ordered by group rank.
+
+        Raises:
+            EncodeError: ``obj`` cannot be encoded; raised before anything moves.
+            TransportTimeoutError: a peer did not join within :attr:`timeout` seconds.
+            PeerFailureError: a peer died.
+            TransportError: promptly, in any operation after a timeout or a peer failure
+                (the group is dead).
+            TransportClosedError: after :meth:`aclose`.
+        """
 
     @abc.abstractmethod
     async def broadcast(self, obj: Any, *, src: int) -> Any:
-        """Member ``src``'s ``obj`` on every member."""
+        """Member ``src``'s ``obj`` on every member.
+
+        Raises:
+            RouteError: ``src`` is not a group rank; raised before anything moves.
+            EncodeError: on ``src``, ``obj`` cannot be encoded.
+            TransportTimeoutError: a peer did not join within :attr:`timeout` seconds.
+            PeerFailureError: a peer died.
+            TransportError: promptly, in any operation after a timeout or a peer failure
+                (the group is dead).
+            TransportClosedError: after :meth:`aclose`.
+        """
 
     @abc.abstractmethod
     async def exchange(self, outgoing: Outgoing) -> dict[Hashable, Any]:
-        """Send each ``(key, payload)`` to its target rank; return what this rank received."""
+        """Send each ``(key, payload)`` to its target rank; return what this rank received.
+
+        Raises:
+            TypeError: ``outgoing`` is not a mapping of target ranks to ``(key, payload)``
+                lists; raised before anything moves.
+            RouteError: a target is not a group rank; raised before anything moves.
+            EncodeError: a payload of this rank cannot be encoded. The rank still takes part,
+                so that no data moves anywhere and the group stays usable.
+            PeerEncodeError: a peer's payloads could not be encoded (``failed_ranks`` names
+                it); no data moved and the group stays usable.
+            TransportTimeoutError: a peer did not join within :attr:`timeout` seconds.
+            PeerFailureError: a peer died.
+            TransportError: promptly, in any operation after a timeout or a peer failure
+                (the group is dead).
+            TransportClosedError: after :meth:`aclose`.
+        """
 
     async def exchange_sized(
         self, outgoing: SizedOutgoing, incoming: SizedIncoming
@@ -178,6 +212,17 @@ class Transport(abc.ABC):
         prepared values through it (whatever collectives that takes) and checks that exactly
         the keys of ``incoming`` arrived. The built-in transports override it with a single
         collective sized from ``incoming``.
+
+        Raises:
+            TypeError: ``outgoing`` or ``incoming`` is not a mapping of ranks to lists of
+                ``(key, Prepared)`` or ``(key, nbytes)`` pairs; raised before anything moves.
+            ValueError: a target or sender is not a group rank, or a byte count is not a
+                frame size (a positive multiple of the frame alignment within the frame
+                limit); raised before anything moves.
+            TransportError: the keys that arrived are not those of ``incoming`` (this
+                default only).
+            PeerEncodeError, TransportTimeoutError, PeerFailureError, TransportClosedError:
+                as for :meth:`exchange`.
         """
         self._check_open("exchange")
         check_sized(self._rank, self._num_ranks, outgoing, incoming, limit=DEFAULT_MAX_FRAME_BYTES)
@@ -199,7 +244,13 @@ class Transport(abc.ABC):
         return received
 
     async def aclose(self) -> None:
-        """Release what the transport owns. Idempotent."""
+        """Release what the transport owns. Idempotent; later operations raise
+        ``TransportClosedError``.
+
+        Closing is also how a caller gives up a group that timed out or lost a peer: the
+        conformance suite closes every transport after each check, a timed-out one included,
+        and counts an exception from ``aclose()`` as a failure.
+        """
         self._closed = True
 
     async def __aenter__(self) -> Transport:

@@ -1,7 +1,7 @@
 """``build_loader``: the loader of one rank of an initialised torch.distributed world.
 
 Every rank gathers what it needs over a start-up Gloo group (the byte protocol of
-:mod:`evenflow.transports._protocol`), computes the same
+:class:`~evenflow.transports.internal.Protocol`), computes the same
 :class:`~evenflow.engine._distributed.topology.Topology`, creates every process group in the
 same global order, builds its part locally, and checks that all ranks agree on the build
 before returning a :class:`~evenflow.engine._distributed.loader.DistributedLoader`. A build
@@ -33,15 +33,17 @@ from evenflow.engine._pipeline.loop_thread import run_coroutine
 from evenflow.engine._pipeline.read_assigned import dataset_mismatch, shared_identity
 from evenflow.engine._validate import check_choice, check_number
 from evenflow.engine.errors import ConfigError, GroupMismatchError
-from evenflow.transports import Transport
-from evenflow.transports._broadcast import BatchBroadcaster
-from evenflow.transports._channel import Channel
-from evenflow.transports._device import DeviceTransport
-from evenflow.transports._gloo import GlooTransport
-from evenflow.transports._local import LocalTransport
-from evenflow.transports._protocol import Protocol, destroy_group, new_group
-from evenflow.transports._remote import RemoteErrorInfo, traceback_note
+from evenflow.transports import DeviceTransport, GlooTransport, LocalTransport, Transport
 from evenflow.transports.errors import WireFormatError
+from evenflow.transports.internal import (
+    BatchBroadcaster,
+    Channel,
+    Protocol,
+    RemoteErrorInfo,
+    destroy_group,
+    new_group,
+    traceback_note,
+)
 
 __all__ = ["build_loader"]
 

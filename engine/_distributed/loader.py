@@ -3,7 +3,7 @@
 Ranks that differ only in model-parallel coordinates must train on the same batch: the
 *constructor* of a data-parallel coordinate reads, balances and collates, and sends each
 delivered step's host batch to its peers through the
-:class:`~evenflow.transports._broadcast.BatchBroadcaster` (its message format is described
+:class:`~evenflow.transports.internal.BatchBroadcaster` (its message format is described
 there). ``end`` and ``error`` messages carry no batch; they make every peer stop or raise at
 the same step as the constructor.
 
@@ -42,8 +42,6 @@ from evenflow.engine.errors import (
     SourceExhaustedError,
 )
 from evenflow.transports import Transport
-from evenflow.transports._broadcast import BatchBroadcaster
-from evenflow.transports._remote import RemoteErrorInfo, traceback_note
 from evenflow.transports.errors import (
     EncodeError,
     PeerFailureError,
@@ -51,6 +49,7 @@ from evenflow.transports.errors import (
     TransportTimeoutError,
     WireFormatError,
 )
+from evenflow.transports.internal import BatchBroadcaster, RemoteErrorInfo, traceback_note
 
 if TYPE_CHECKING:
     from evenflow.engine._pipeline.h2d import DeviceStager

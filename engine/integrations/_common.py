@@ -29,8 +29,7 @@ from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._sources.dataset import DatasetSource
 from evenflow.engine._validate import check_int
 from evenflow.engine.errors import ConfigError, ResumeError
-from evenflow.transports._channel import Channel
-from evenflow.transports._protocol import Protocol, new_group
+from evenflow.transports.internal import Channel, Protocol, new_group
 
 __all__ = [
     "LoaderView",

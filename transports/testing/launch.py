@@ -25,21 +25,20 @@ Guarantees:
 
 A failed or timed-out ``RankPool.run`` tears the pool down (its collectives may be out of
 step); the next ``run`` starts a fresh world.
+
+This module is the parent side; what runs inside each spawned rank, and the plain-data codec
+both sides share, is :mod:`evenflow.transports.testing._rank`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import importlib.util
 import math
 import multiprocessing
 import multiprocessing.connection
 import os
 import signal
 import socket
-import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -48,10 +47,9 @@ from multiprocessing.process import BaseProcess
 from types import TracebackType
 from typing import Any
 
-import msgpack
-
 from evenflow.transports._remote import RemoteErrorInfo, one_line, traceback_note
 from evenflow.transports.errors import EvenflowError, WireFormatError
+from evenflow.transports.testing._rank import describe_function, pack, rank_main, unpack
 
 __all__ = ["LaunchError", "RankDeadlineError", "RankFailedError", "RankPool", "run_ranks"]
 
@@ -103,155 +101,6 @@ class RankDeadlineError(LaunchError, TimeoutError):
         super().__init__(message)
         self.ranks = ranks
         self.deadline = deadline
-
-
-# -- plain-data codec for arguments, results and control messages ---------------------------
-
-
-def _pack(obj: Any) -> bytes:
-    data: bytes = msgpack.packb(obj, use_bin_type=True)
-    return data
-
-
-def _unpack(data: bytes) -> Any:
-    return msgpack.unpackb(data, raw=False, strict_map_key=False)
-
-
-def _describe_function(fn: Callable[..., Any]) -> dict[str, str]:
-    """Name ``fn`` so a freshly spawned process can import it (no pickle)."""
-    if not callable(fn):
-        raise TypeError(f"fn must be a callable, but got {fn!r} ({type(fn).__name__}).")
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", None)
-    if not module or not qualname or "<" in qualname:
-        raise TypeError(
-            f"fn must be a module-level function so that spawned ranks can import it by name, "
-            f"but got {fn!r}; move it to the top level of a module."
-        )
-    mod = sys.modules.get(module)
-    path = getattr(mod, "__file__", None) or ""
-    return {"module": module, "qualname": qualname, "file": path}
-
-
-def _resolve_function(desc: Mapping[str, str]) -> Callable[..., Any]:
-    """Inverse of :func:`_describe_function`, run inside a rank."""
-    module_name, path = desc["module"], desc["file"]
-    if module_name == "__main__":
-        # spawn re-runs the parent's main script as __mp_main__ in every child.
-        module_name = "__mp_main__"
-    module = sys.modules.get(module_name)
-    if module is None:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            # Test files imported by pytest in importlib mode are not importable by name.
-            if not path:
-                raise
-            spec = importlib.util.spec_from_file_location(module_name, path)
-            if spec is None or spec.loader is None:
-                raise
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[module_name] = module
-            spec.loader.exec_module(module)
-    obj: Any = module
-    for part in desc["qualname"].split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"{desc['module']}.{desc['qualname']} is not callable.")
-    fn: Callable[..., Any] = obj
-    return fn
-
-
-# -- the rank side ----------------------------------------------------------------------------
-
-
-def _watch_parent() -> None:
-    """Exit this rank as soon as the parent process is gone (no orphans)."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        multiprocessing.connection.wait([parent.sentinel])
-        os._exit(70)
-
-    threading.Thread(target=watch, name="evenflow-launch-lifeline", daemon=True).start()
-
-
-def _send_error(conn: Connection, exc: BaseException, rank: int, phase: str) -> None:
-    info = RemoteErrorInfo.from_exception(exc, rank=rank, stage=phase, step=None)
-    with contextlib.suppress(Exception):
-        conn.send_bytes(_pack({"kind": "error", "error": info.to_wire()}))
-
-
-def _rank_main(
-    *,
-    rank: int,
-    num_ranks: int,
-    port: int,
-    backend: str,
-    timeout: float,
-    env: dict[str, str],
-    conn: Connection,
-) -> None:
-    """Entry point of one rank: init the world, then serve ``run`` requests until ``stop``."""
-    _watch_parent()
-    os.environ.update(
-        {
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "RANK": str(rank),
-            "WORLD_SIZE": str(num_ranks),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(num_ranks),
-        }
-    )
-    os.environ.update(env)
-    try:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-    except BaseException as exc:
-        _send_error(conn, exc, rank, "init")
-        _flush_and_exit(1)
-    conn.send_bytes(_pack({"kind": "ready"}))
-    while True:
-        try:
-            request = _unpack(conn.recv_bytes())
-        except EOFError:
-            _flush_and_exit(0)
-        if request["kind"] == "stop":
-            break
-        try:
-            fn = _resolve_function(request)
-            result = fn(rank, num_ranks, *request["args"])
-            try:
-                reply = _pack({"kind": "result", "value": result})
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise TypeError(
-                    f"rank {rank}: the result of {request['qualname']} is not plain data "
-                    f"(msgpack could not encode it: {exc}); return None, numbers, strings, "
-                    f"bytes, lists or dicts."
-                ) from exc
-        except BaseException as exc:
-            # Exit right after reporting: peers blocked on this rank then fail at once with a
-            # closed connection instead of waiting for the group timeout.
-            _send_error(conn, exc, rank, "run")
-            _flush_and_exit(1)
-        conn.send_bytes(reply)
-    with contextlib.suppress(Exception):
-        dist.destroy_process_group()
-    _flush_and_exit(0)
-
-
-def _flush_and_exit(code: int) -> None:
-    # os._exit skips interpreter shutdown, which could block on threads fn left behind.
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
 
 
 # -- the parent side --------------------------------------------------------------------------
@@ -425,7 +274,7 @@ class RankPool:
             for rank in range(self._num_ranks):
                 parent_end, child_end = ctx.Pipe(duplex=True)
                 proc = ctx.Process(
-                    target=_rank_main,
+                    target=rank_main,
                     kwargs={
                         "rank": rank,
                         "num_ranks": self._num_ranks,
@@ -451,9 +300,9 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, deadline: float | None = None) -> list[Any]:
         """Call ``fn(rank, num_ranks, *args)`` on every rank; return the results by rank."""
-        desc = _describe_function(fn)
+        desc = describe_function(fn)
         try:
-            packed_args = _unpack(_pack(list(args)))
+            packed_args = unpack(pack(list(args)))
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(
                 f"args must be plain data (None, bool, int, float, str, bytes, lists, dicts) "
@@ -465,7 +314,7 @@ class RankPool:
         until = time.monotonic() + budget
         world = self._holder[0]
         assert world is not None
-        request = _pack({"kind": "run", **desc, "args": packed_args})
+        request = pack({"kind": "run", **desc, "args": packed_args})
         try:
             for conn in world.conns:
                 conn.send_bytes(request)
@@ -503,7 +352,7 @@ class RankPool:
             try:
                 if not conn.poll():
                     return True
-                message = _unpack(conn.recv_bytes())
+                message = unpack(conn.recv_bytes())
             except (EOFError, OSError):
                 eof.add(rank)
                 return False
@@ -631,7 +480,7 @@ class RankPool:
         try:
             for conn in world.conns:
                 with contextlib.suppress(OSError):
-                    conn.send_bytes(_pack({"kind": "stop"}))
+                    conn.send_bytes(pack({"kind": "stop"}))
             until = time.monotonic() + _STOP_GRACE_S
             for proc in world.procs:
                 proc.join(timeout=max(0.0, until - time.monotonic()))
@@ -674,7 +523,7 @@ def run_ranks(
     """
     budget = _check_deadline("deadline", deadline)
     until = time.monotonic() + budget
-    _describe_function(fn)
+    describe_function(fn)
     pool = RankPool(num_ranks, backend=backend, env=env, timeout=timeout, deadline=budget)
     with pool:  # starts the world within ``budget``
         remaining = until - time.monotonic()

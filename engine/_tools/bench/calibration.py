@@ -54,7 +54,7 @@ from evenflow.engine._tools.demo.calibrate import calibration_bins, time_bins
 from evenflow.engine._tools.demo.model import TinyCausalLM, TinyConfig, packed_loss
 from evenflow.engine.errors import ConfigError
 from evenflow.engine.workloads import LengthMixture, LogNormal, LogUniform, step_source
-from evenflow.transports._gloo import GlooTransport
+from evenflow.transports import GlooTransport
 from evenflow.transports.launch import LaunchError, run_ranks
 
 __all__ = ["main"]

@@ -57,11 +57,8 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._sources.dataset import DatasetSource
 from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
-from evenflow.transports import Prepared, Transport
-from evenflow.transports._gloo import GlooTransport
-from evenflow.transports._protocol import pack_outgoing
-from evenflow.transports._sized import prepare
-from evenflow.transports._wire import encode_many
+from evenflow.transports import GlooTransport, Prepared, Transport, encode_many, prepare
+from evenflow.transports.internal import pack_outgoing
 from evenflow.transports.launch import run_ranks
 from evenflow.transports.testing import WrappedTransport
 

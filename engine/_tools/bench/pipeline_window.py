@@ -28,7 +28,7 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine.workloads import make_step, step_source
-from evenflow.transports._gloo import GlooTransport
+from evenflow.transports import GlooTransport
 
 __all__ = ["print_window", "run_window_cases", "window_targets", "summarize_window"]
 

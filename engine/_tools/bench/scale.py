@@ -42,7 +42,7 @@ from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.planner import Planner
 from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.engine.workloads import make_step
-from evenflow.transports import _wire
+from evenflow.transports import decode, encode
 from evenflow.transports.testing import run_inprocess
 
 __all__ = ["main"]
@@ -164,9 +164,9 @@ def _one_group(num_ranks: int, settings: _Settings) -> dict[str, Any]:
         plan = planner.plan(samples, bins, step)
         plan_ms.append((time.perf_counter() - started) * 1e3)
         messages = _messages(samples, bins, step, settings.bins_per_rank, prev)
-        encoded = [_wire.encode(m) for m in messages]
+        encoded = [encode(m) for m in messages]
         sizes = [len(e) for e in encoded]
-        received = [_wire.decode(e) for e in encoded]
+        received = [decode(e) for e in encoded]
         started = time.perf_counter()
         staged, _, _ = plan_step(
             planner,

@@ -63,7 +63,7 @@ from evenflow.engine._sources.workers import start_context
 from evenflow.engine._tools.bench._verdict import add_report_only, targets_status
 from evenflow.engine._validate import check_int, check_number
 from evenflow.engine.errors import ConfigError
-from evenflow.transports._gloo import GlooTransport
+from evenflow.transports import GlooTransport
 from evenflow.transports.launch import LaunchError, run_ranks
 
 __all__ = ["burn", "main"]

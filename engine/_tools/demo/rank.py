@@ -37,7 +37,7 @@ from evenflow.engine._tools.demo.calibrate import FittedCost, calibration_bins, 
 from evenflow.engine._tools.demo.data import VOCAB_SIZE, stdlib_dataset
 from evenflow.engine._tools.demo.model import TinyCausalLM, TinyConfig, packed_loss
 from evenflow.engine._tracing import Tracer
-from evenflow.transports._gloo import GlooTransport
+from evenflow.transports import GlooTransport
 
 __all__ = ["ARM_LABELS", "rank_main"]
 
