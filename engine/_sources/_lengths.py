@@ -24,7 +24,7 @@ import numpy.typing as npt
 
 from evenflow.engine._model import MAX_TOKENS
 from evenflow.engine.errors import ConfigError
-from evenflow.transports._remote import NOTE_PREFIX
+from evenflow.transports.internal import NOTE_PREFIX
 
 __all__ = ["default_length", "fingerprint", "is_hf_dataset", "read_lengths"]
 

@@ -45,8 +45,8 @@ from evenflow.engine._sources.transform_pool import Ticket
 from evenflow.engine._sources.transforms import SampleTransforms, TransformWorkers
 from evenflow.engine._validate import check_bool, check_int
 from evenflow.engine.errors import ConfigError, ResumeError, TransformWorkerError
-from evenflow.transports import _wire
-from evenflow.transports._remote import NOTE_PREFIX
+from evenflow.transports import decode, encode
+from evenflow.transports.internal import NOTE_PREFIX
 
 __all__ = ["IterableSource"]
 
@@ -310,7 +310,7 @@ class IterableSource(TransformWorkers):
         stream = _Stream(self, upstream)
         stream.exhausted = ended
         if resume is not None and resume["pending"] is not None:
-            buffered = _wire.decode(resume["pending"])
+            buffered = decode(resume["pending"])
             packer.pending = [((s, int(n)), int(n)) for s, n in buffered["items"]]
             stream.leftover.extend(buffered["leftover"])
             counters = resume["counters"]
@@ -319,7 +319,7 @@ class IterableSource(TransformWorkers):
             stream.oversized_tokens = int(counters["oversized_tokens"])
         ahead: collections.deque[_Ahead] = collections.deque()
         if resume is not None and resume.get("ahead") is not None:
-            for packed in _wire.decode(resume["ahead"]):
+            for packed in decode(resume["ahead"]):
                 ahead.append(_Ahead([[(s, int(n)) for s, n in b] for b in packed]))
         for done in range(replay):  # no saved position: read and discard the consumed steps
             if packer.next_step(stream) is None:
@@ -441,12 +441,12 @@ class IterableSource(TransformWorkers):
                 for a in ahead
                 if a.packed is not None
             ]
-            state["ahead"] = bytes(_wire.encode(steps)) if steps else None
+            state["ahead"] = bytes(encode(steps)) if steps else None
             buffered = {
                 "items": [list(payload) for payload, _ in packer.pending],
                 "leftover": list(stream.leftover),
             }
-            state["pending"] = bytes(_wire.encode(buffered))
+            state["pending"] = bytes(encode(buffered))
             state["counters"] = {
                 "read": stream.num_read,
                 "oversized": stream.num_oversized,

@@ -32,7 +32,7 @@ import numpy as np
 
 from evenflow.engine._sources.workers import start_context, stop_workers, unpack, worker_main
 from evenflow.engine.errors import TransformWorkerError
-from evenflow.transports._remote import NOTE_PREFIX
+from evenflow.transports.internal import NOTE_PREFIX
 
 __all__ = ["StepTransform", "Ticket", "TransformPool", "TransformReport"]
 

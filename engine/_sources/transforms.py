@@ -32,7 +32,7 @@ from evenflow.engine._sources.workers import (
     transform_stream,
 )
 from evenflow.engine.errors import TransformWorkerError
-from evenflow.transports._remote import NOTE_PREFIX
+from evenflow.transports.internal import NOTE_PREFIX
 
 __all__ = ["SampleTransforms", "TransformWorkers"]
 

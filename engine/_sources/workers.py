@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine.errors import ConfigError
-from evenflow.transports._remote import NOTE_PREFIX
+from evenflow.transports.internal import NOTE_PREFIX
 
 __all__ = [
     "check_transform",
