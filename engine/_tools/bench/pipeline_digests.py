@@ -41,6 +41,12 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig, Tracer
+from evenflow.engine._pipeline import h2d
+from evenflow.transports import GlooTransport
+from evenflow.transports.launch import run_ranks
+from evenflow.transports.testing import WrappedTransport
+
 __all__ = ["CONFIGS", "compare_lines", "main", "run_world"]
 
 _SEQ_LEN = 64
@@ -134,7 +140,6 @@ def _dataset(num_ranks: int, seed: int) -> list[dict[str, Any]]:
 
 def _recording_transport(inner: Any) -> Any:
     """A wrapper around ``inner`` that lists every collective it issues, in order."""
-    from evenflow.transports.testing import WrappedTransport
 
     class Recording(WrappedTransport):
         name = "recording"
@@ -229,7 +234,6 @@ def _stand_in_device() -> None:
     pinning becomes a copy, as a CPU-only build of torch cannot pin."""
     import torch
 
-    from evenflow.engine._pipeline import h2d
 
     if not hasattr(h2d, "_load_device_module"):
         raise RuntimeError(
@@ -247,8 +251,6 @@ def _keep(batch: Any, device: Any) -> Any:
 
 
 def _loader(name: str, rank: int, num_ranks: int, seed: int) -> tuple[Any, Any, Any]:
-    from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig, Tracer
-    from evenflow.transports import GlooTransport
 
     settings = dict(CONFIGS[name])
     mode = settings.pop("mode")
@@ -341,7 +343,6 @@ def run_world(
 ) -> list[str]:
     """The digest lines of ``names`` on ``num_ranks`` fresh Gloo ranks, rank by rank per
     configuration (so the output does not depend on which rank finished first)."""
-    from evenflow.transports.launch import run_ranks
 
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
