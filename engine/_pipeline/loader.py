@@ -701,9 +701,8 @@ class BalancedLoader(LoaderFacade):
         if state.stats is not None and state.transform is not None:
             state.stats = dataclasses.replace(state.stats, transform=state.transform)
         self._last_stats = state.stats
-        world = state.loss_world if self._world_transport is not None else state.loss_group
         self._last_loss_tokens = step_loss_tokens(
-            state.step, state.loss_rank, state.loss_group, world
+            state.step, state.loss, world_round=self._world_transport is not None
         )
         if self._last_loss_tokens is not None and self._last_loss_tokens.world == 0:
             # Never silent: the loss recipe's scale is 0.0 and the step trains nothing.

@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine._pipeline.records import LossCount
 from evenflow.engine._plan import Plan
 from evenflow.engine._validate import check_number
 
@@ -104,10 +105,13 @@ def rank_loss_tokens(
     return total
 
 
-def step_loss_tokens(
-    step: int, rank: int | None, group: int | None, world: int | None
-) -> LossTokens | None:
-    """The step's ``LossTokens``, or ``None`` when any total is unknown."""
-    if rank is None or group is None or world is None:
+def step_loss_tokens(step: int, count: LossCount | None, *, world_round: bool) -> LossTokens | None:
+    """The step's ``LossTokens``, or ``None`` when any total is unknown (``world_round``: the
+    world spans several balance groups, whose total the world round found; else the world is
+    the group)."""
+    if count is None:
         return None
-    return LossTokens(step=step, rank=rank, group=group, world=world)
+    world = count.world if world_round else count.group
+    if count.group is None or world is None:
+        return None
+    return LossTokens(step=step, rank=count.rank, group=count.group, world=world)

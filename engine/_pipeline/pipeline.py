@@ -29,19 +29,20 @@ the host, pinned, and the ``h2d`` stage copies it when the caller takes an earli
 (:mod:`evenflow.engine._pipeline.world`).
 
 With a balance window of ``W = balance_window > 1`` steps the plan stage holds the gathered
-steps of a window until its last one arrives, plans them together, and lets them flow on one
-by one (see :class:`WindowSequencer` for the order of collectives). A step's samples may come
-from any step of its window, so the reading rank keeps each sample (in the window's shared
-``window_samples``) until the step that trains it has sent or packed it. The round that follows
-a window's last settle (the next window's first gather) confirms all of its steps at once, so
-the window's first step is delivered only after its last is read and settled, and at most
-``W + prefetch_depth`` steps are read and not yet delivered: the read stage takes one of that
-many slots per step and delivery returns it. A pass that ends in the middle of a window (a
-source's end or error, or ``drain()``) plans and delivers the steps read before the end, then a
-``final`` round confirms them; a pass limited by ``max_steps`` ends its last window there.
-A restored pass starts reading at its window's first step (``read_from``) and skips the steps
-delivered before the save (``first_step`` is the first one delivered): they are gathered and
-planned again, identically, but never exchanged or delivered.
+steps of a window until its last one arrives, plans them together, and lets them flow on one by
+one (see :class:`WindowSequencer` for the order of collectives). A step's samples may come from
+any step of its window, so the reading rank keeps each sample (in the window's shared
+:class:`~evenflow.engine._pipeline.records.WindowShare`) until the step that trains it has sent
+or packed it. The round that follows a window's last settle (the next window's first gather)
+confirms all of its steps at once, so the window's first step is delivered only after its last
+is read and settled, and at most ``W + prefetch_depth`` steps are read and not yet delivered:
+the read stage takes one of that many slots per step and delivery returns it. A pass that ends
+in the middle of a window (a source's end or error, or ``drain()``) plans and delivers the
+steps read before the end, then a ``final`` round confirms them; a pass limited by
+``max_steps`` ends its last window there. A restored pass starts reading at its window's first
+step (``read_from``) and skips the steps delivered before the save (``first_step`` is the first
+one delivered): they are gathered and planned again, identically, but never exchanged or
+delivered.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
 import anyio
@@ -70,6 +71,7 @@ from evenflow.engine._pipeline.pack_check import (
 )
 from evenflow.engine._pipeline.plan_stage import PlanStage
 from evenflow.engine._pipeline.read_assigned import AssignedReader, dataset_mismatch
+from evenflow.engine._pipeline.records import DeviceSlot, LossCount, PassEdge, WindowShare
 from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
 from evenflow.engine._pipeline.source import SourceReader
 from evenflow.engine._pipeline.step import (
@@ -424,8 +426,8 @@ class Pipeline:
         self.notify()
 
     def _release_device_slot(self, state: StepState) -> None:
-        if state.device_slot:
-            state.device_slot = False
+        if state.device is not None and state.device.held:
+            state.device.held = False
             self._device_slots.release()
 
     def _raise_for(self, state: StepState) -> None:
@@ -548,7 +550,7 @@ class Pipeline:
             # The pass ends in the middle of a window: the window's earlier steps are planned,
             # delivered and confirmed by a final round first.
             sequencer.end_window(state.step)
-            state.final_pending = True
+            state.edge = PassEdge(final_round=True)
         await self._sequencer.advance(state.step, "gather")
         self.gathered_step = state.step
         self._ended = state.terminal
@@ -556,7 +558,7 @@ class Pipeline:
             self.final_round = state
             if state.uneven is not None and state.remote is None:
                 logger.warning("%s", state.uneven.message("stop"))
-        self._gather_done = state.terminal and not state.final_pending
+        self._gather_done = state.terminal and state.edge is None
         self.notify()
         if not state.terminal:
             state.confirmed = asyncio.get_running_loop().create_future()
@@ -681,22 +683,21 @@ class Pipeline:
                     await send.send(state)
 
     async def _plan_window(self, window: list[StepState]) -> None:
-        shared = {s.step: s.samples for s in window if s.samples is not None}
         prepared = {s.step: s.prepared for s in window if s.prepared is not None}
-        messages = {s.step: s.messages for s in window if s.messages is not None}
+        share = WindowShare(
+            samples={s.step: s.samples for s in window if s.samples is not None},
+            prepared=prepared or None,
+            messages={s.step: s.messages for s in window if s.messages is not None},
+        )
         for state in window:
-            state.window_samples = shared
-            state.window_prepared = prepared or None
-            state.window_messages = messages
+            state.window = share
         await self._plan_stage.run_window(window)
         for state in window:
             if state.step < self.first_step and not state.terminal:
-                state.skip = True
+                state.edge = PassEdge(skip=True)
                 routes = state.routes
                 if routes is not None:  # its samples trained before the restore
-                    keys = (*routes.send.values(), *routes.bins)
-                    _drop_local(shared, keys, self._rank)
-                    _drop_local(prepared, keys, self._rank)
+                    share.forget((*routes.send.values(), *routes.bins), self._rank)
 
     async def _abort_after_local_planning_failure(
         self, state: StepState, exc: BaseException
@@ -746,11 +747,9 @@ class Pipeline:
                 # This rank could not encode its payloads; by the transport contract its peers
                 # were told (PeerEncodeError) and the group is still in step.
                 state.fail("exchange", exc)
-            if state.window_samples is not None and state.routes is not None:
+            if state.window is not None and state.routes is not None:
                 # Sent: the reading rank no longer needs these samples.
-                _drop_local(state.window_samples, state.routes.send.values(), self._rank)
-                if state.window_prepared is not None:
-                    _drop_local(state.window_prepared, state.routes.send.values(), self._rank)
+                state.window.forget(state.routes.send.values(), self._rank)
         self.exchanged_step = state.step
         self.notify()
         await self._sequencer.advance(state.step, "exchange")
@@ -795,8 +794,8 @@ class Pipeline:
             step: [np.asarray(m["nbytes"], dtype=np.int64) for m in messages]
             for step, messages in state.step_messages().items()
         }
-        if state.window_prepared is not None:
-            prepared = state.window_prepared
+        if state.window is not None and state.window.prepared is not None:
+            prepared = state.window.prepared
         elif state.prepared is not None and state.error is None:
             prepared = {state.step: state.prepared}
         else:
@@ -820,7 +819,7 @@ class Pipeline:
 
     async def _pack(self, state: StepState) -> None:
         if state.terminal:
-            if state.final_pending:
+            if state.edge is not None and state.edge.final_round:
                 await self._final_round(state)
             return
         if state.skip:
@@ -832,8 +831,10 @@ class Pipeline:
         if messages is not None and plan is not None:
             # From the samples' metadata; the default pack counts its bins below otherwise.
             # A window's plan names samples of any of its steps: each read step's messages.
-            by_step = state.window_messages or {state.step: messages}
-            state.loss_rank = rank_loss_tokens(by_step, plan, self._rank)
+            by_step = state.window.messages if state.window is not None else {state.step: messages}
+            count = rank_loss_tokens(by_step, plan, self._rank)
+            if count is not None:
+                state.loss = LossCount(count)
         if state.error is None and state.remote is None and state.routes is not None:
             # A free device slot and no earlier step waiting for one: stage now, so that a
             # failed copy is announced with the step. (Staging past a waiting step would take
@@ -842,9 +843,10 @@ class Pipeline:
                 self._waiting_h2d == 0 and not self._device_slots.locked()
             )
             if self._stager.active:
+                state.device = DeviceSlot(now=stage_now)
                 if stage_now:
                     await self._device_slots.acquire()
-                    state.device_slot = True
+                    state.device.held = True
                 else:
                     self._waiting_h2d += 1
             loop = asyncio.get_running_loop()
@@ -853,14 +855,12 @@ class Pipeline:
                     self._cpu, self._pack_sync, state, stage_now
                 )
             except Exception as exc:
-                state.fail(getattr(exc, "_evenflow_stage", "pack"), exc)
+                state.fail("pack", exc)  # unless a part of it (collate, h2d) said so first
                 self._release_device_slot(state)
                 if self._stager.active and not stage_now:
                     self._waiting_h2d -= 1
-        if state.window_samples is not None and state.routes is not None:
-            _drop_local(state.window_samples, state.routes.bins, self._rank)
-            if state.window_prepared is not None:
-                _drop_local(state.window_prepared, state.routes.bins, self._rank)
+        if state.window is not None and state.routes is not None:
+            state.window.forget(state.routes.bins, self._rank)
         state.release_payloads()
         await self._sequencer.turn(state.step, "settle")
         self._settled.append(state)
@@ -924,22 +924,15 @@ class Pipeline:
                 where=f"Bin {b} of step {state.step} on rank {self._global_ranks[rank]}",
             )
             packed.append(bin_packed)
-        if state.loss_rank is None and self._pack_fn is default_pack_fn:
+        if state.loss is None and self._pack_fn is default_pack_fn:
             # Samples read after planning (shared-dataset mode) carry no count in the
             # metadata: the packed labels say exactly what the rank trains on.
-            state.loss_rank = sum(map(count_loss_tokens, packed))
-        try:
+            state.loss = LossCount(sum(map(count_loss_tokens, packed)))
+        with state.failing("collate"):
             batch = self._collate_fn(packed)
-        except Exception as exc:
-            exc._evenflow_stage = "collate"  # type: ignore[attr-defined]
-            raise
-        try:
+        with state.failing("h2d"):
             # Waiting for a device slot: the batch waits on the host, pinned.
             staged = self._stager.stage(batch) if stage_now else self._stager.pin(batch)
-        except Exception as exc:
-            exc._evenflow_stage = "h2d"  # type: ignore[attr-defined]
-            raise
-        state.staged_now = stage_now
         return batch, staged
 
     # -- world ------------------------------------------------------------------------------
@@ -966,13 +959,14 @@ class Pipeline:
 
     async def _h2d(self, state: StepState) -> None:
         """Copy a step that waited on the host once a device slot is free (in step order)."""
-        if state.terminal or state.staged_now or state.staged is None or state.error is not None:
+        slot = state.device
+        if state.terminal or slot is None or slot.now or state.staged is None or state.error:
             return
         if state.remote is not None:
             self._waiting_h2d -= 1
             return  # raised at delivery: nothing to copy
         await self._device_slots.acquire()
-        state.device_slot = True
+        slot.held = True
         loop = asyncio.get_running_loop()
         try:
             state.staged = await loop.run_in_executor(self._cpu, self._stager.stage, state.staged)
@@ -987,18 +981,6 @@ class Pipeline:
             # Only now may pack stage a later step at once: counted down before the copy, a
             # later step could take a slot freed meanwhile and be copied first (out of order).
             self._waiting_h2d -= 1
-
-
-def _drop_local(
-    samples: dict[int, list[Any]], groups: Iterable[list[tuple[int, int, int]]], rank: int
-) -> None:
-    """Forget this rank's samples among the key lists ``groups``: their training step has
-    sent or packed them, so the window no longer holds them."""
-    for keys in groups:
-        for key in keys:
-            row = samples.get(key[1]) if key[0] == rank else None
-            if row is not None:  # (a step without frames: shared-dataset mode, one rank)
-                row[key[2]] = None
 
 
 class _Aborted(Exception):

@@ -109,7 +109,7 @@ class WorldRound:
             "step": state.step,
             "status": status,
             "end_reason": state.end_reason,
-            "loss": state.loss_rank if status == "ok" else 0,
+            "loss": (None if state.loss is None else state.loss.rank) if status == "ok" else 0,
             "samples": 0 if state.sizes is None else sum(state.sizes),
             "tokens": 0 if state.metas is None else sum(m.tokens for m in state.metas),
             "left": state.steps_left,
@@ -223,8 +223,9 @@ class WorldRound:
                     logger.warning("%s", uneven.message("stop"))
             return
         losses = [m.get("loss") for m in messages]
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in losses):
-            state.loss_world = sum(losses)
+        known = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in losses)
+        if known and state.loss is not None:  # (this rank's own count is among them)
+            state.loss.world = sum(losses)
 
 
 def _error_summary(value: Any) -> tuple[str, str, bool]:
