@@ -49,7 +49,7 @@ from evenflow.engine._pipeline.resume import (
 )
 from evenflow.engine._pipeline.stats import BalanceTally, StepStats
 from evenflow.engine._pipeline.step import StepState
-from evenflow.engine._pipeline.world import WorldRound
+from evenflow.engine._pipeline.world_round import WorldRound
 from evenflow.engine._sources._common import SourceReport
 from evenflow.engine._sources.transform_pool import TransformReport
 from evenflow.engine._tracing import StallMeter

@@ -19,7 +19,7 @@ anyway (and the world round across groups):
 * ``group``: each rank reports its ``rank`` total for step ``s`` in the metadata round of
   ``s + 1``, which every rank holds before step ``s`` is delivered: the sum of the reports;
 * ``world``: the sum of every rank's ``rank`` total in the world round
-  (:mod:`evenflow.engine._pipeline.world`); with one balance group it is ``group``.
+  (:mod:`evenflow.engine._pipeline.world_round`); with one balance group it is ``group``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from evenflow.engine._pipeline.records import LossCount
 from evenflow.engine._plan import Plan
 from evenflow.engine._validate import check_number
 
-__all__ = ["LossTokens", "rank_loss_tokens", "step_loss_tokens"]
+__all__ = ["LossTokens", "planned_loss_count", "rank_loss_tokens", "step_loss_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,15 @@ def rank_loss_tokens(
         flat = np.concatenate([c for c in columns if c is not None] or [np.zeros(0, np.int64)])
         total += int(flat[offsets[mine[:, 0]] + mine[:, 2]].sum())
     return total
+
+
+def planned_loss_count(
+    messages: Mapping[int, Sequence[dict[str, Any]]], plan: Plan, rank: int
+) -> LossCount | None:
+    """The pack stage's loss accounting: the record of a step whose count
+    :func:`rank_loss_tokens` knows (``None`` otherwise)."""
+    count = rank_loss_tokens(messages, plan, rank)
+    return None if count is None else LossCount(count)
 
 
 def step_loss_tokens(step: int, count: LossCount | None, *, world_round: bool) -> LossTokens | None:
