@@ -72,7 +72,7 @@ from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
 from evenflow.engine._pipeline.source import SourceReader
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine._pipeline.world_round import WorldRound, WorldStage
-from evenflow.engine.errors import LoaderStateError
+from evenflow.engine.errors import LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
 from evenflow.transports._threads import unwrap
 
@@ -382,6 +382,28 @@ class Pipeline:
             self._failure = exc
             raise
         return state
+
+    async def next_state_bounded(self) -> StepState | None:
+        """:meth:`next_state` within the stall limit, else a ``StallTimeoutError`` that says
+        where the pipeline is. Every collective is bounded by the timeout on its own. A step
+        needs its exchange and the next metadata round; in a balance window of W steps its
+        first step also waits for the window's other W - 1 rounds: (W + 1) timeouts in all."""
+        config = self._config
+        deadline = asyncio.timeout((config.balance_window + 1) * config.timeout)
+        try:
+            async with deadline:
+                return await self.next_state()
+        except TimeoutError:
+            # Only this wait's own deadline is a stall: a TimeoutError raised by a step (a
+            # transport's, or one from user code) reaches the caller as it is.
+            if not deadline.expired():
+                raise
+            raise StallTimeoutError(
+                f"No step arrived within {config.balance_window + 1} x "
+                f"timeout={config.timeout:g} s on rank "
+                f"{self._transport.rank}; the pipeline is at {self.position()}. A source "
+                "or callback may be blocked; raise LoaderConfig.timeout if steps are slower."
+            ) from None
 
     @property
     def closed(self) -> bool:
