@@ -17,12 +17,13 @@ This module connects them: one task per stage, bounded channels between them, th
 :class:`~evenflow.engine._pipeline.progress.Progress`, and the handling of the failures that
 end a pass.
 
-Each stage but read is one coroutine driven by :meth:`Pipeline._stage`; it receives a
-:class:`StepState`, does its work inside a trace span, and forwards the state. A failure inside
-a stage is recorded on the step (``state.fail``) and the step keeps flowing, so the collectives
-of later stages still take their turns and the failure is announced to the group in the next
-metadata round — the fail-together channel. A failure of the group itself (timeout, dead peer)
-ends the pipeline: the sequencer fails and every waiting stage and caller is released.
+Each stage but read (and the balance window's plan, which holds a window's steps) is one
+coroutine driven by :meth:`Pipeline._stage`; it receives a :class:`StepState`, does its work
+inside a trace span, and forwards the state. A failure inside a stage is recorded on the step
+(``state.fail``) and the step keeps flowing, so the collectives of later stages still take
+their turns and the failure is announced to the group in the next metadata round — the
+fail-together channel. A failure of the group itself (timeout, dead peer) ends the pipeline:
+the sequencer fails and every waiting stage and caller is released.
 
 Step ``s`` is handed to the caller only when the metadata round of ``s + 1`` (or the final
 ``end`` round) has confirmed that every rank finished ``s``. At most ``prefetch_depth + 1``
