@@ -1,4 +1,10 @@
-"""``BalancedLoader``: the public face of the pipeline, as an async and a sync iterator."""
+"""``BalancedLoader``: the public face of the pipeline, as an async and a sync iterator.
+
+The loader owns one :class:`~evenflow.engine._pipeline.pipeline.Pipeline` per pass and the
+parts it is built from: its source and transports as ``binding`` takes them, its threads
+(``loader_threads``), its position in its epochs and the checkpoint of it (``position``), and
+the sums of the steps it delivered (``pass_report.PassTally``).
+"""
 
 from __future__ import annotations
 
@@ -6,25 +12,29 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine._logging import show_info_lines
+from evenflow.engine._pipeline.binding import (
+    bind_source,
+    check_source,
+    check_world_transport,
+    resolve_transport,
+    source_metadata_fn,
+)
 from evenflow.engine._pipeline.calibration import (
     CalibrationStats,
-    calibration_state,
     group_calibration,
-    load_calibration,
 )
 from evenflow.engine._pipeline.facade import END, LoaderFacade, Runner
 from evenflow.engine._pipeline.launchpoints import CallerLauncher
+from evenflow.engine._pipeline.loader_threads import LoaderThreads
 from evenflow.engine._pipeline.loop_thread import (
     SwitchIntervalScope,
     lowered_niceness,
-    nice_initializer,
 )
 from evenflow.engine._pipeline.loss_tokens import LossTokens, step_loss_tokens
 from evenflow.engine._pipeline.one_shot import OneShotSource, guard_one_shot
@@ -36,27 +46,20 @@ from evenflow.engine._pipeline.parts import (
     loader_parts,
     resume_identity,
 )
-from evenflow.engine._pipeline.pass_report import PassSummary
+from evenflow.engine._pipeline.pass_report import PassSummary, PassTally, transform_report
 from evenflow.engine._pipeline.pipeline import Pipeline
+from evenflow.engine._pipeline.position import LoaderPosition
 from evenflow.engine._pipeline.read_assigned import AssignedReader, shared_identity, shared_source
 from evenflow.engine._pipeline.resume import (
-    Restore,
-    earlier_epoch_error,
-    loader_state,
-    read_state,
     restore_source,
-    window_first,
 )
-from evenflow.engine._pipeline.stats import BalanceTally, StepStats
+from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import StepState
-from evenflow.engine._pipeline.world import WorldRound
+from evenflow.engine._pipeline.world_round import WorldRound
 from evenflow.engine._sources._common import SourceReport
-from evenflow.engine._sources.transform_pool import TransformReport
 from evenflow.engine._tracing import StallMeter
-from evenflow.engine.errors import ConfigError, LoaderStateError, StallTimeoutError
+from evenflow.engine.errors import ConfigError, LoaderStateError
 from evenflow.transports import Transport
-from evenflow.transports._registry import create_transport
-from evenflow.transports._threads import WorkerThreads
 
 __all__ = ["BalancedLoader"]
 
@@ -102,11 +105,7 @@ class BalancedLoader(LoaderFacade):
 
         super().__init__()
         check_config(config)
-        if not (hasattr(source, "__iter__") or hasattr(source, "__aiter__")):
-            raise TypeError(
-                f"source must be an iterable or async iterable of steps, but got "
-                f"{type(source).__name__}."
-            )
+        check_source(source)
         # Cheap checks before a transport may be created from a name.
         check_callables(
             metadata_fn=metadata_fn,
@@ -115,22 +114,18 @@ class BalancedLoader(LoaderFacade):
             move_fn=move_fn,
             stats_callback=stats_callback,
         )
-        own_metadata_fn = getattr(source, "metadata_fn", None)
-        if metadata_fn is None and callable(own_metadata_fn):
-            # A step source (DatasetSource, IterableSource) knows its samples' token counts;
-            # in shared-dataset mode its items are indices that only it can describe.
-            metadata_fn = own_metadata_fn
+        metadata_fn = source_metadata_fn(source, metadata_fn)
         self._source = guard_one_shot(source)
         self._config = config
         # Computed once, from the thread that builds the loader: threads inherit their
         # creator's niceness, so every thread the loader starts gets this absolute value.
         self._thread_niceness = lowered_niceness(config.thread_nice)
-        self._transport, self._owns_transport = _resolve_transport(transport, config)
-        self._world_transport = _check_world_transport(world_transport, self._transport)
+        self._transport, self._owns_transport = resolve_transport(transport, config)
+        self._world_transport = check_world_transport(world_transport, self._transport)
         #: A step source's values that disagree with this loader's (``bind_loader``): raised
         #: here when no peer is waiting for this rank, else by the source's first read, so
         #: that the first metadata round refuses the group on every rank with this message.
-        self.bind_refusal = _bind_source(source, config, self._transport, self._world_transport)
+        self.bind_refusal = bind_source(source, config, self._transport, self._world_transport)
         if self.bind_refusal is not None and self._data_parallel_size == 1:
             raise self.bind_refusal
         parts = loader_parts(
@@ -170,42 +165,21 @@ class BalancedLoader(LoaderFacade):
         if self._transport.launch_on_caller:
             self._launcher = CallerLauncher()
             self._transport.launcher = self._launcher
-        # Every thread the loader starts runs at the configured lower priority (none by
-        # default): the pipeline works ahead of training and can wait for a core; compute
-        # cannot. The transport's collective thread is the transport's own.
-        nice = nice_initializer(self._thread_niceness)
-        # Daemon threads with a bounded shutdown (WorkerThreads): user code runs on them, and a
-        # call stuck there must never keep close() or the process from finishing.
-        self._cpu = WorkerThreads(2, name="evenflow-cpu", initializer=nice)
-        self._source_executor = WorkerThreads(1, name="evenflow-source", initializer=nice)
-        # Shared-dataset mode: the bounded pool that reads each step's assigned samples.
-        self._assigned: AssignedReader | None = None
-        self._read_executor: WorkerThreads | None = None
+        # Shared-dataset mode: a bounded pool reads each step's assigned samples.
         shared = shared_source(source)
-        if shared is not None:
-            threads = int(getattr(shared, "read_threads", 1))
-            self._read_executor = WorkerThreads(threads, name="evenflow-read", initializer=nice)
-            self._assigned = AssignedReader(shared, self._read_executor, threads=threads)
+        read_threads = None if shared is None else int(getattr(shared, "read_threads", 1))
+        self._threads = LoaderThreads(niceness=self._thread_niceness, read_threads=read_threads)
+        self._assigned: AssignedReader | None = None
+        if shared is not None and self._threads.read is not None:
+            self._assigned = AssignedReader(shared, self._threads.read, threads=read_threads or 1)
         self._dataset = shared_identity(source)
         self._pipeline: Pipeline | None = None
         self._pass_finished = False
-        self._epoch = 0
-        self._first_step = 0
-        self._read_from = 0  # the first step the pass reads: its first window's first step
-        self._delivered = 0  # steps delivered in this pass, counting restored ones
+        self._position = LoaderPosition()
         self._last_stats: StepStats | None = None
-        self._balance = BalanceTally()
-        self._pass_balance = BalanceTally()  # the steps of the current pass only
+        self._tally = PassTally(warn=self._transport.rank == 0)  # the delivered steps' sums
         self._last_loss_tokens: LossTokens | None = None
         self._last_host_batch: Any = None
-        # The source's state at the first step a restore would read again (the step's own
-        # window start), and right after the last delivered step (for a closed window).
-        self._source_state: Any = None
-        self._source_after: Any = None
-        self._restored: Restore | None = None
-        self._pass_samples = 0  # samples / tokens this rank trained on in the current pass
-        self._pass_tokens = 0
-        self._pass_zero_loss = 0  # delivered steps with no loss target in the world
         self._last_pass: PassSummary | None = None
         self._switch_release: weakref.finalize | None = None  # holds the lowered interval
         #: Threads ``close()`` abandoned inside user code (name and what each ran); empty
@@ -225,11 +199,11 @@ class BalancedLoader(LoaderFacade):
     @property
     def step(self) -> int:
         """Number of steps delivered in the current pass (a restored position included)."""
-        return self._delivered
+        return self._position.delivered
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self._position.epoch
 
     @property
     def last_stats(self) -> StepStats | None:
@@ -295,7 +269,7 @@ class BalancedLoader(LoaderFacade):
         summary = dict(self._tracer.summary())
         summary["caller"] = self._meter.summary()
         summary["pass"] = None if self._last_pass is None else self._last_pass.to_dict()
-        summary["balance"] = self._balance.to_dict()
+        summary["balance"] = self._tally.balance.to_dict()
         return summary
 
     def fingerprint(self, *, for_resume: bool = False) -> str:
@@ -332,7 +306,7 @@ class BalancedLoader(LoaderFacade):
                 await run.loop(self._start_pass())
             pipeline = self._pipeline
             assert pipeline is not None
-            state = await run.loop(self._next_state(pipeline), pump=True)
+            state = await run.loop(pipeline.next_state_bounded(), pump=True)
             if state is None:
                 await run.loop(self._finish_pass())
                 return END
@@ -353,22 +327,10 @@ class BalancedLoader(LoaderFacade):
         await run.loop(pipeline.wait_until(done), pump=True)
 
     async def _restart(self, epoch: int, run: Runner) -> None:
-        restored = self._restored
-        if restored is not None and self._pipeline is None and not self._pass_finished:
-            # load_state_dict() came first: the usual loop restores, then calls set_epoch() at
-            # the top of its epoch loop. The restored epoch keeps the restored position.
-            if epoch == restored.epoch:
-                return
-            if epoch < restored.epoch:
-                raise earlier_epoch_error(epoch, restored.epoch, restored.step)
-            logger.warning(
-                "evenflow: set_epoch(%d) after restoring a state at epoch %d step %d: the rest "
-                "of epoch %d is skipped.",
-                epoch,
-                restored.epoch,
-                restored.step,
-                restored.epoch,
-            )
+        # load_state_dict() came first: the restored epoch keeps the restored position.
+        restored = self._pipeline is None and not self._pass_finished
+        if restored and self._position.keeps_restored(epoch):
+            return
         if isinstance(self._source, OneShotSource):
             self._source.check_reusable(f"set_epoch({epoch})")
         # Draining finishes the in-flight steps' collectives, which may need caller launches.
@@ -389,7 +351,7 @@ class BalancedLoader(LoaderFacade):
         return self._pass_finished and self._pipeline is None
 
     def _current_epoch(self) -> int:
-        return self._epoch
+        return self._position.epoch
 
     def _pump(self, coro: Coroutine[Any, Any, T]) -> Awaitable[T]:
         # Async mode: the caller's thread runs the loop, so launches run inline between awaits.
@@ -419,12 +381,12 @@ class BalancedLoader(LoaderFacade):
                 "record_compute() needs cost_model=CalibratedCost(...); this loader's cost "
                 f"model is {self._planner.cost_model_id!r}, which does not calibrate."
             )
-        if self._delivered == self._first_step:
+        if self._position.delivered == self._position.first_step:
             raise LoaderStateError(
                 "record_compute() measures the last step delivered, but this pass has not "
                 "delivered a step yet; call it after next()."
             )
-        self._calibration.record(self._delivered - 1, seconds, bin)
+        self._calibration.record(self._position.delivered - 1, seconds, bin)
 
     @property
     def calibration_stats(self) -> CalibrationStats | None:
@@ -432,7 +394,7 @@ class BalancedLoader(LoaderFacade):
         :class:`~evenflow.engine.CalibratedCost`)."""
         if self._calibration is None:
             return None
-        return self._calibration.stats(self._delivered - 1)
+        return self._calibration.stats(self._position.delivered - 1)
 
     # -- epochs and resume -------------------------------------------------------------------
 
@@ -447,18 +409,12 @@ class BalancedLoader(LoaderFacade):
         if self._calibration is not None:
             self._calibration.new_pass()
         self._meter.pause()
-        self._restored = None
-        self._epoch = epoch
+        self._position.new_pass(epoch)
         self._pass_finished = False
-        self._first_step = self._read_from = 0
-        self._delivered = 0
-        self._source_state = self._source_after = None
         self._last_host_batch = None
         self._last_stats = None
         self._last_loss_tokens = None
-        self._pass_samples = self._pass_tokens = 0
-        self._pass_zero_loss = 0
-        self._pass_balance = BalanceTally()
+        self._tally.new_pass()
         set_epoch = getattr(self._source, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
@@ -477,35 +433,14 @@ class BalancedLoader(LoaderFacade):
         A window the pass ended early (at ``max_steps`` or the source's end) is closed once
         delivered: the state is then the one after its last step.
         """
-        transport = self._transport
-        step = self._delivered
-        read_from = max(window_first(step, self._config.balance_window), self._read_from)
-        source_state = self._source_state
-        limit = self._config.max_steps
-        if (
-            read_from < step
-            and step > self._first_step  # a step of this pass was delivered
-            and (self._pass_finished or (limit is not None and step >= limit))
-        ):
-            # The last window ended early and every step of it was delivered: a longer run
-            # (or other ranks) continues after it, never plans its steps with later ones.
-            read_from, source_state = step, self._source_after
-        state = loader_state(
-            epoch=self._epoch,
-            step=step,
+        return self._position.save(
             identity=self.identity(for_resume=True),
             source=self._source,
-            source_state=source_state,
-            process_rank=_process_rank(transport),
-            group_rank=transport.rank,
-            group=list(transport.global_ranks),
-            read_from=read_from,
+            transport=self._transport,
+            config=self._config,
+            finished=self._pass_finished,
+            calibration=self._calibration,
         )
-        if self._calibration is not None:
-            state["calibration"] = calibration_state(
-                self._calibration, read_from, _process_rank(transport)
-            )
-        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a position saved by :meth:`state_dict`; only before iteration starts.
@@ -513,38 +448,24 @@ class BalancedLoader(LoaderFacade):
         Also a ``torch.distributed.checkpoint`` ``Stateful``: ``dcp.load({"loader": loader},
         ...)`` calls it with what this rank needs of the saved state."""
         self._check_open()
-        if self._pipeline is not None or self._delivered or self._pass_finished:
+        if self._pipeline is not None or self._position.delivered or self._pass_finished:
             raise LoaderStateError(
                 "load_state_dict() must be called before iteration starts (or right after "
                 "set_epoch()); this loader has already delivered or prefetched steps."
             )
-        transport = self._transport
-        restore = read_state(
+        self._position.load(
             state,
             identity=self.identity(for_resume=True),
             source=self._source,
-            process_rank=_process_rank(transport),
-            group_rank=transport.rank,
-            group=list(transport.global_ranks),
-            max_steps=self._config.max_steps,
-            window=self._config.balance_window,
+            transport=self._transport,
+            config=self._config,
+            calibration=self._calibration,
         )
-        self._epoch = restore.epoch
-        set_epoch = getattr(self._source, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(self._epoch)
-        if self._calibration is not None:
-            load_calibration(self._calibration, state, _process_rank(transport))
-        self._restored = restore
-        self._first_step = self._delivered = restore.step
-        self._read_from = restore.read_from
-        self._source_state = restore.source
-        self._source_after = restore.source if restore.read_from == restore.step else None
 
     # -- internals ---------------------------------------------------------------------------
 
     def _next_step(self) -> int:
-        return self._delivered
+        return self._position.delivered
 
     async def _start_pass(self) -> None:
         if self._config.log_stats and self._transport.rank == 0:
@@ -557,13 +478,14 @@ class BalancedLoader(LoaderFacade):
         loop = asyncio.get_running_loop()
         if self._launcher is not None:
             self._launcher.bind(loop)
-        if self._restored is not None:
-            restored, self._restored = self._restored, None
+        restored = self._position.restored
+        if restored is not None:
+            self._position.restored = None
             initial_iter = await loop.run_in_executor(
-                self._source_executor,
+                self._threads.source,
                 restore_source,
                 self._source,
-                self._read_from,
+                self._position.read_from,
                 restored.source,
             )
         else:
@@ -578,12 +500,12 @@ class BalancedLoader(LoaderFacade):
             collate_fn=self._collate_fn,
             stager=self._stager,
             tracer=self._tracer,
-            first_step=self._first_step,
-            cpu_executor=self._cpu,
-            source_executor=self._source_executor,
+            first_step=self._position.first_step,
+            cpu_executor=self._threads.cpu,
+            source_executor=self._threads.source,
             initial_iter=initial_iter,
-            read_from=self._read_from,
-            initial_source_state=self._source_state,
+            read_from=self._position.read_from,
+            initial_source_state=self._position.source_state,
             world=WorldRound(self._world_transport, on_uneven_end=self._config.on_uneven_end),
             assigned=self._assigned,
             dataset=self._dataset,
@@ -595,30 +517,6 @@ class BalancedLoader(LoaderFacade):
             )
         self._pipeline = pipeline
         pipeline.start()
-
-    async def _next_state(self, pipeline: Pipeline) -> StepState | None:
-        deadline = asyncio.timeout(self._stall_limit)
-        try:
-            async with deadline:
-                return await pipeline.next_state()
-        except TimeoutError:
-            # Only this wait's own deadline is a stall: a TimeoutError raised by a step (a
-            # transport's, or one from user code) reaches the caller as it is.
-            if not deadline.expired():
-                raise
-            raise StallTimeoutError(
-                f"No step arrived within {self._config.balance_window + 1} x "
-                f"timeout={self._config.timeout:g} s on rank "
-                f"{self._transport.rank}; the pipeline is at {pipeline.position()}. A source "
-                "or callback may be blocked; raise LoaderConfig.timeout if steps are slower."
-            ) from None
-
-    @property
-    def _stall_limit(self) -> float:
-        # Every collective is bounded by the timeout on its own. A step needs its exchange and
-        # the next metadata round; in a balance window of W steps its first step also waits
-        # for the window's other W - 1 rounds: (W + 1) timeouts in all.
-        return (self._config.balance_window + 1) * self._config.timeout
 
     async def _finish_pass(self) -> None:
         pipeline = self._pipeline
@@ -635,18 +533,18 @@ class BalancedLoader(LoaderFacade):
         final = pipeline.final_round
         report = getattr(self._source, "report", None)
         summary = PassSummary(
-            epoch=self._epoch,
-            steps=self._delivered,
+            epoch=self._position.epoch,
+            steps=self._position.delivered,
             end_reason=reason,
-            samples=self._pass_samples,
-            tokens=self._pass_tokens,
+            samples=self._tally.samples,
+            tokens=self._tally.tokens,
             uneven=None if final is None else final.uneven,
             source=report if isinstance(report, SourceReport) else None,
             num_discarded_samples=pipeline.num_discarded_samples,
-            num_outlier_bound_steps=self._pass_balance.to_dict()["outlier_bound"],
-            outlier_cost_fraction=self._pass_balance.outlier_cost_fraction,
-            num_zero_loss_steps=self._pass_zero_loss,
-            transform=_transform_report(self._source),
+            num_outlier_bound_steps=self._tally.pass_balance.to_dict()["outlier_bound"],
+            outlier_cost_fraction=self._tally.pass_balance.outlier_cost_fraction,
+            num_zero_loss_steps=self._tally.zero_loss,
+            transform=transform_report(self._source),
         )
         self._last_pass = summary
         if self._transport.rank == 0 and logger.isEnabledFor(logging.INFO):
@@ -672,64 +570,24 @@ class BalancedLoader(LoaderFacade):
                 self._switch_release()  # runs SwitchIntervalScope.release once
 
     def _shutdown_executors(self) -> list[str]:
-        """Stop the loader's threads and wait for them together, at most
-        ``config.close_timeout`` seconds: a thread still inside user code then (a source's
-        ``next()`` blocked on storage cannot be interrupted) is abandoned, and named in a
-        WARNING; it is a daemon thread and never holds the process. Returns what was
-        abandoned."""
-        pools = [p for p in (self._cpu, self._source_executor, self._read_executor) if p]
-        for pool in pools:
-            pool.stop(cancel_futures=True)
-        until = time.monotonic() + self._config.close_timeout
-        close_workers = getattr(self._source, "close_workers", None)
-        if callable(close_workers):
-            # Before the join: a read waiting on a worker returns once the workers are gone.
-            close_workers(self._config.close_timeout)
-        stuck: list[str] = []
-        for pool in pools:
-            stuck += pool.join(max(until - time.monotonic(), 0.0))
-        if callable(close_workers):  # and after: a read between two steps may have restarted them
-            close_workers(1.0)
+        """Stop the loader's threads (see :meth:`LoaderThreads.shutdown`)."""
+        stuck = self._threads.shutdown(self._config.close_timeout, self._source)
         self.abandoned_threads = stuck
         return stuck
 
     def _deliver(self, state: StepState) -> Any:
         batch = self._stager.deliver(state.staged)
-        self._delivered = state.step + 1
-        self._source_state = state.resume_source
-        self._source_after = state.source_state
+        self._position.deliver(state)
         if state.stats is not None and state.transform is not None:
             state.stats = dataclasses.replace(state.stats, transform=state.transform)
         self._last_stats = state.stats
-        world = state.loss_world if self._world_transport is not None else state.loss_group
         self._last_loss_tokens = step_loss_tokens(
-            state.step, state.loss_rank, state.loss_group, world
+            state.step, state.loss, world_round=self._world_transport is not None
         )
-        if self._last_loss_tokens is not None and self._last_loss_tokens.world == 0:
-            # Never silent: the loss recipe's scale is 0.0 and the step trains nothing.
-            self._pass_zero_loss += 1
-            if self._transport.rank == 0 and self._pass_zero_loss <= _ZERO_LOSS_WARNINGS:
-                logger.warning(
-                    "evenflow: step %d holds no loss target in the whole data-parallel world "
-                    "(every label is -100): it trains nothing, and LossTokens.loss_scale() is "
-                    "0.0. Check the labels (or the chat template's masking) of its samples.%s",
-                    state.step,
-                    " Further such steps of this pass are counted in "
-                    "last_pass.num_zero_loss_steps, not logged."
-                    if self._pass_zero_loss == _ZERO_LOSS_WARNINGS
-                    else "",
-                )
+        self._tally.add(state, self._last_loss_tokens)  # (warns of a step with no loss target)
         self._last_host_batch = state.host_batch
-        routes, plan = state.routes, state.plan
-        if routes is not None and plan is not None:
-            per = plan.layout.bins_per_rank
-            rank = routes.rank
-            self._pass_samples += sum(map(len, routes.bins))
-            self._pass_tokens += int(plan.layout.tokens[rank * per : (rank + 1) * per].sum())
         stats = state.stats
         if stats is not None:
-            self._balance.add(stats)
-            self._pass_balance.add(stats)
             if (
                 self._config.log_stats
                 and self._transport.rank == 0
@@ -748,99 +606,16 @@ class BalancedLoader(LoaderFacade):
         started = self._meter.start_wait()
         interval = self._meter.compute_interval
         if interval is not None:
-            self._tracer.add("compute", self._delivered - 1, interval[0], interval[1])
+            self._tracer.add("compute", self._position.delivered - 1, interval[0], interval[1])
         return started
 
     def _end_wait(self, started: float) -> None:
         ended = self._meter.end_wait()
-        self._tracer.add("wait", self._delivered - 1, started, ended)
+        self._tracer.add("wait", self._position.delivered - 1, started, ended)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (self._mode or "new")
         return (
             f"<BalancedLoader {state} rank={self._transport.rank}/"
-            f"{self._transport.num_ranks} step={self._delivered}>"
+            f"{self._transport.num_ranks} step={self._position.delivered}>"
         )
-
-
-#: Steps of one pass whose world holds no loss target that are logged one by one.
-_ZERO_LOSS_WARNINGS = 3
-
-
-def _transform_report(source: Any) -> TransformReport | None:
-    """The pass's transform time on this rank, from a source with a transform."""
-    report = getattr(source, "transform_report", None)
-    return report if isinstance(report, TransformReport) else None
-
-
-def _bind_source(
-    source: Any, config: LoaderConfig, transport: Transport, world: Transport | None
-) -> ConfigError | None:
-    """Give a step source (``DatasetSource``, ``IterableSource``, or any source with
-    ``bind_loader``) the loader's step shape and this rank's data-parallel position: the
-    world round's group when there is one (it spans every data-parallel rank), else the
-    balance group's."""
-    bind = getattr(source, "bind_loader", None)
-    if not callable(bind):
-        return None
-    bind_workers = getattr(source, "bind_workers", None)
-    if callable(bind_workers):  # transform worker processes: hung past the loader's timeout
-        bind_workers(timeout=config.timeout)
-    ranks = world if world is not None else transport
-    # A loader with no peers knows nothing of the data-parallel world: a source sharded by
-    # hand (explicit rank / num_ranks, one loader per process without a group) keeps them.
-    alone = ranks.num_ranks == 1
-    refusal = bind(
-        seq_len=config.seq_len,
-        bins_per_rank=config.bins_per_rank,
-        rank=None if alone else ranks.rank,
-        num_ranks=None if alone else ranks.num_ranks,
-    )
-    return refusal if isinstance(refusal, ConfigError) else None
-
-
-def _process_rank(transport: Transport) -> int:
-    """The key of this rank's entry in a state: the torch.distributed rank when a world is
-    initialised (unique even when each process runs a loader of its own), else the
-    transport's global rank."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_rank())
-    return int(transport.global_ranks[transport.rank])
-
-
-def _resolve_transport(
-    transport: Transport | str | None, config: LoaderConfig
-) -> tuple[Transport, bool]:
-    if isinstance(transport, Transport):
-        return transport, False
-    if transport is None:
-        transport = "local"
-    if isinstance(transport, str):
-        return create_transport(transport, timeout=config.timeout), True
-    raise TypeError(
-        f"transport must be a Transport, a transport name or None, but got {transport!r:.80}."
-    )
-
-
-def _check_world_transport(world: object, transport: Transport) -> Transport | None:
-    if world is None:
-        return None
-    if not isinstance(world, Transport):
-        raise TypeError(
-            f"world_transport must be a Transport or None, but got {world!r:.80}; pass a "
-            "transport over one rank of every data-parallel coordinate, or None when the "
-            "balance group is the whole world."
-        )
-    if world is transport:
-        raise ConfigError(
-            "world_transport must not be the balance group's transport: each group's "
-            "collectives need their own transport (and thread). Pass a separate one, or None."
-        )
-    if world.launch_on_caller:
-        raise ConfigError(
-            f"world_transport {world.name!r} launches on the caller's thread; the world round "
-            "runs in the background. Pass a Gloo (CPU) transport."
-        )
-    return world

@@ -19,7 +19,7 @@ anyway (and the world round across groups):
 * ``group``: each rank reports its ``rank`` total for step ``s`` in the metadata round of
   ``s + 1``, which every rank holds before step ``s`` is delivered: the sum of the reports;
 * ``world``: the sum of every rank's ``rank`` total in the world round
-  (:mod:`evenflow.engine._pipeline.world`); with one balance group it is ``group``.
+  (:mod:`evenflow.engine._pipeline.world_round`); with one balance group it is ``group``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine._pipeline.records import LossCount
 from evenflow.engine._plan import Plan
 from evenflow.engine._validate import check_number
 
-__all__ = ["LossTokens", "rank_loss_tokens", "step_loss_tokens"]
+__all__ = ["LossTokens", "planned_loss_count", "rank_loss_tokens", "step_loss_tokens"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +105,22 @@ def rank_loss_tokens(
     return total
 
 
-def step_loss_tokens(
-    step: int, rank: int | None, group: int | None, world: int | None
-) -> LossTokens | None:
-    """The step's ``LossTokens``, or ``None`` when any total is unknown."""
-    if rank is None or group is None or world is None:
+def planned_loss_count(
+    messages: Mapping[int, Sequence[dict[str, Any]]], plan: Plan, rank: int
+) -> LossCount | None:
+    """The pack stage's loss accounting: the record of a step whose count
+    :func:`rank_loss_tokens` knows (``None`` otherwise)."""
+    count = rank_loss_tokens(messages, plan, rank)
+    return None if count is None else LossCount(count)
+
+
+def step_loss_tokens(step: int, count: LossCount | None, *, world_round: bool) -> LossTokens | None:
+    """The step's ``LossTokens``, or ``None`` when any total is unknown (``world_round``: the
+    world spans several balance groups, whose total the world round found; else the world is
+    the group)."""
+    if count is None:
         return None
-    return LossTokens(step=step, rank=rank, group=group, world=world)
+    world = count.world if world_round else count.group
+    if count.group is None or world is None:
+        return None
+    return LossTokens(step=step, rank=count.rank, group=count.group, world=world)

@@ -18,10 +18,20 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine._pipeline.loss_tokens import LossTokens
+from evenflow.engine._pipeline.stats import BalanceTally
+from evenflow.engine._pipeline.step import StepState
 from evenflow.engine._sources._common import SourceReport
 from evenflow.engine._sources.transform_pool import TransformReport
 
-__all__ = ["PassSummary", "RankUnread", "UnevenEnd", "uneven_end"]
+__all__ = [
+    "PassSummary",
+    "PassTally",
+    "RankUnread",
+    "UnevenEnd",
+    "transform_report",
+    "uneven_end",
+]
 
 logger = logging.getLogger("evenflow")
 
@@ -225,3 +235,58 @@ class PassSummary:
                 "num_oversized_dropped": source.num_oversized_dropped,
             },
         }
+
+
+def transform_report(source: Any) -> TransformReport | None:
+    """The pass's transform time on this rank, from a source with a transform."""
+    report = getattr(source, "transform_report", None)
+    return report if isinstance(report, TransformReport) else None
+
+
+#: Steps of one pass whose world holds no loss target that are logged one by one.
+ZERO_LOSS_WARNINGS = 3
+
+
+class PassTally:
+    """What the steps a loader delivered add up to on this rank: in the current pass, the
+    samples and tokens it trained on, the steps with no loss target in the whole world and the
+    balance of their plans (``pass_balance``); over the loader's life, the balance
+    (``balance``). A step with no loss target is never silent: the first few of a pass are
+    logged (on ``warn`` ranks), the rest counted."""
+
+    def __init__(self, *, warn: bool) -> None:
+        self._warn = warn
+        self.balance = BalanceTally()
+        self.new_pass()
+
+    def new_pass(self) -> None:
+        self.samples = 0
+        self.tokens = 0
+        self.zero_loss = 0
+        self.pass_balance = BalanceTally()
+
+    def add(self, state: StepState, loss_tokens: LossTokens | None) -> None:
+        """Count a delivered step (with its loss targets, ``None`` when unknown)."""
+        if loss_tokens is not None and loss_tokens.world == 0:
+            # The loss recipe's scale is 0.0 and the step trains nothing.
+            self.zero_loss += 1
+            if self._warn and self.zero_loss <= ZERO_LOSS_WARNINGS:
+                logger.warning(
+                    "evenflow: step %d holds no loss target in the whole data-parallel world "
+                    "(every label is -100): it trains nothing, and LossTokens.loss_scale() is "
+                    "0.0. Check the labels (or the chat template's masking) of its samples.%s",
+                    state.step,
+                    " Further such steps of this pass are counted in "
+                    "last_pass.num_zero_loss_steps, not logged."
+                    if self.zero_loss == ZERO_LOSS_WARNINGS
+                    else "",
+                )
+        routes, plan = state.routes, state.plan
+        if routes is not None and plan is not None:
+            per = plan.layout.bins_per_rank
+            rank = routes.rank
+            self.samples += sum(map(len, routes.bins))
+            self.tokens += int(plan.layout.tokens[rank * per : (rank + 1) * per].sum())
+        if state.stats is not None:
+            self.balance.add(state.stats)
+            self.pass_balance.add(state.stats)

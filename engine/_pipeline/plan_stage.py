@@ -6,9 +6,18 @@ gathered step, so every rank holds the same one; the next metadata round compare
 ranks decode it. Planning runs on the CPU executor, never on the event loop. The broadcast
 turn is taken in both modes, so the collective order does not depend on the mode's data.
 
-With a balance window (``LoaderConfig.balance_window > 1``) :meth:`PlanStage.run_window` plans
-the window's steps together (:func:`evenflow.engine._planning.window.plan_window`) once its
-last step is gathered, and the leader broadcasts the window's plans in one message.
+With a balance window (``LoaderConfig.balance_window > 1``) :class:`WindowPlanStage` holds the
+gathered steps of a window until its last one arrives, and :meth:`PlanStage.run_window` plans
+them together (:func:`evenflow.engine._planning.window.plan_window`); the leader broadcasts the
+window's plans in one message.
+
+Needs from the step: ``messages`` (every rank's metadata message). Adds ``plan``, ``stats`` and
+``routes``; in a window, the window's :class:`~evenflow.engine._pipeline.records.WindowShare`,
+and a :class:`~evenflow.engine._pipeline.records.PassEdge` (``skip``) on the steps delivered
+before a restore. A planning failure is recorded on the step (stage ``plan``); in replicated
+mode it is also reported to the pipeline (``Hooks.local_failure``, the peers cannot pair their
+later collectives with this rank's), as is a failed broadcast (``Hooks.group_failed``). Nothing
+is raised.
 """
 
 from __future__ import annotations
@@ -18,9 +27,13 @@ import concurrent.futures
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
 from evenflow.engine._pipeline.calibration import GroupCalibration
+from evenflow.engine._pipeline.progress import Progress
+from evenflow.engine._pipeline.records import PassEdge, WindowShare
 from evenflow.engine._pipeline.routes import RankRoutes
-from evenflow.engine._pipeline.sequencer import Sequencer
+from evenflow.engine._pipeline.sequencer import Sequencer, WindowSequencer
 from evenflow.engine._pipeline.stats import StepStats
 from evenflow.engine._pipeline.step import (
     StepState,
@@ -35,7 +48,7 @@ from evenflow.engine._planning.window import plan_window
 from evenflow.engine.errors import PlanningError
 from evenflow.transports import Transport
 
-__all__ = ["PlanStage"]
+__all__ = ["PlanStage", "WindowPlanStage"]
 
 _Planned = tuple[Plan, StepStats, RankRoutes]
 
@@ -68,14 +81,10 @@ class PlanStage:
         self._rank = transport.rank
         self._global_ranks = transport.global_ranks
         # A failed broadcast means the group is unusable (the pipeline releases everything);
-        # a failed local plan in replicated mode must abort this rank (see the pipeline).
+        # a failed local plan in replicated mode must abort this rank (see the pipeline). The
+        # pipeline passes its Hooks' methods, which it detaches when the pass is closed.
         self._on_group_failure = on_group_failure
         self._on_local_failure = on_local_failure
-
-    def detach(self) -> None:
-        """Drop the callbacks into the pipeline (a reference cycle) once the pass is closed."""
-        self._on_group_failure = _closed_callback
-        self._on_local_failure = _closed_callback
 
     async def run(self, state: StepState) -> None:
         if state.terminal:
@@ -242,5 +251,60 @@ class PlanStage:
         return [self._received_plan(data, first + i) for i, data in enumerate(wires)]
 
 
-async def _closed_callback(*args: Any) -> None:
-    """What a detached stage calls: nothing, the pass is closed."""
+class WindowPlanStage:
+    """The plan stage of a balance window: hold gathered steps until the window's last one
+    (or the round that ends the pass) arrives, plan them together, pass them on."""
+
+    def __init__(
+        self,
+        *,
+        plan: PlanStage,
+        sequencer: WindowSequencer,
+        progress: Progress,
+        tracer: Any,
+        first_step: int,
+        rank: int,
+    ) -> None:
+        self._plan = plan
+        self._sequencer = sequencer
+        self._progress = progress
+        self._tracer = tracer
+        self._first_step = first_step
+        self._rank = rank
+
+    async def run(
+        self, recv: MemoryObjectReceiveStream[StepState], send: MemoryObjectSendStream[StepState]
+    ) -> None:
+        async with recv, send:
+            window: list[StepState] = []
+            async for state in recv:
+                if not state.terminal:
+                    window.append(state)
+                    if state.step < self._sequencer.window_last(state.step):
+                        continue
+                if window and self._progress.fatal is None:
+                    depth = recv.statistics().current_buffer_used
+                    with self._tracer.span("plan", window[0].step, queue_depth=depth):
+                        await self._plan_window(window)
+                for planned in window:
+                    await send.send(planned)
+                window = []
+                if state.terminal:
+                    await send.send(state)
+
+    async def _plan_window(self, window: list[StepState]) -> None:
+        prepared = {s.step: s.prepared for s in window if s.prepared is not None}
+        share = WindowShare(
+            samples={s.step: s.samples for s in window if s.samples is not None},
+            prepared=prepared or None,
+            messages={s.step: s.messages for s in window if s.messages is not None},
+        )
+        for state in window:
+            state.window = share
+        await self._plan.run_window(window)
+        for state in window:
+            if state.step < self._first_step and not state.terminal:
+                state.edge = PassEdge(skip=True)
+                routes = state.routes
+                if routes is not None:  # its samples trained before the restore
+                    share.forget((*routes.send.values(), *routes.bins), self._rank)

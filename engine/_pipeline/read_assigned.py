@@ -14,6 +14,11 @@ caller, so it overlaps with training like the exchange it replaces. A read that 
 recorded on the step and announced in the next metadata round, so every rank fails at the
 same step; the error names the dataset index.
 
+The stage (:class:`AssignedStage`) needs from the step its ``routes`` and ``messages`` (or its
+window's), and adds ``received`` (``{key: sample}`` for every key of this rank's bins) and
+``transform`` (the source's transform work for them, if it has a transform); a
+failed read is recorded on the step (stage ``read_assigned``), nothing is raised.
+
 **Agreement.** Every rank must see the same dataset: the same length and the same length
 column (its fingerprint). ``build_loader`` compares them at build time; a loader built
 directly compares them in its first metadata round. Either way every rank raises the same
@@ -30,10 +35,19 @@ from typing import Any
 
 import numpy as np
 
+from evenflow.engine._pipeline.progress import Progress
 from evenflow.engine._pipeline.routes import RankRoutes
+from evenflow.engine._pipeline.sequencer import Sequencer
+from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import GroupMismatchError, TransformWorkerError
 
-__all__ = ["AssignedReader", "dataset_mismatch", "shared_identity", "shared_source"]
+__all__ = [
+    "AssignedReader",
+    "AssignedStage",
+    "dataset_mismatch",
+    "shared_identity",
+    "shared_source",
+]
 
 KeyTuple = tuple[int, int, int]
 
@@ -158,3 +172,34 @@ class AssignedReader:
                         f"in shared-dataset mode) failed: {type(exc).__name__}: {exc}"
                     ) from exc
             raise
+
+
+class AssignedStage:
+    """The exchange stage of shared-dataset mode: take the exchange turn without a collective
+    (every rank is in shared mode), then read this rank's planned samples by dataset index
+    (none for a step delivered before a restore)."""
+
+    def __init__(self, *, reader: AssignedReader, sequencer: Sequencer, progress: Progress) -> None:
+        self._reader = reader
+        self._sequencer = sequencer
+        self._progress = progress
+
+    async def run(self, state: StepState) -> None:
+        if state.terminal:
+            return
+        if state.skip:
+            await self._sequencer.turn(state.step, "exchange")
+            await self._sequencer.advance(state.step, "exchange")
+            return
+        await self._sequencer.turn(state.step, "exchange")
+        self._progress.exchanged_step = state.step
+        self._progress.notify()
+        await self._sequencer.advance(state.step, "exchange")
+        if state.error is not None or state.routes is None or state.messages is None:
+            return
+        try:
+            messages = state.step_messages()
+            state.received = await self._reader.read(state.step, state.routes, messages)
+            state.transform = self._reader.last_transform
+        except Exception as exc:
+            state.fail("read_assigned", exc)

@@ -51,7 +51,7 @@ import msgpack
 
 from evenflow.engine._sources.elastic import has_global_position, not_elastic_reason
 from evenflow.engine.errors import LoaderStateError, ResumeError
-from evenflow.transports import _wire
+from evenflow.transports import Transport, _wire
 from evenflow.transports.errors import EncodeError, WireFormatError
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "describe_difference",
     "earlier_epoch_error",
     "loader_state",
+    "process_rank",
     "read_state",
     "restore_source",
     "window_first",
@@ -416,3 +417,14 @@ def earlier_epoch_error(epoch: int, restored_epoch: int, restored_step: int) -> 
         f"set_epoch({restored_epoch}) to continue where the state left off (or start the "
         "epoch loop there), or do not restore."
     )
+
+
+def process_rank(transport: Transport) -> int:
+    """The key of this rank's entry in a state: the torch.distributed rank when a world is
+    initialised (unique even when each process runs a loader of its own), else the
+    transport's global rank."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    return int(transport.global_ranks[transport.rank])

@@ -78,12 +78,14 @@ class SourceReader:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
                 loop = asyncio.get_running_loop()
-                described = await loop.run_in_executor(self._cpu, self._describe, raw, step)
+                described = await loop.run_in_executor(self._cpu, self._describe, raw, state)
                 state.source_state = self._source_state()
                 if self._prepare:
-                    state.prepared = await loop.run_in_executor(self._cpu, _prepared, described[0])
+                    state.prepared = await loop.run_in_executor(
+                        self._cpu, _prepared, described[0], state
+                    )
             else:
-                result = await self._on_source_thread(functools.partial(self._read_sync, step))
+                result = await self._on_source_thread(functools.partial(self._read_sync, state))
                 if result is None:
                     state.status, state.end_reason = "end", "exhausted"
                     return state
@@ -93,7 +95,7 @@ class SourceReader:
             state.steps_left = self._steps_left(step)
         except Exception as exc:
             state.status = "error"
-            state.fail(getattr(exc, "_evenflow_stage", "source"), exc)
+            state.fail("source", exc)  # unless a part of the read (metadata, exchange) said so
         except BaseException as exc:
             # An async source runs on this loop: what it raises beyond Exception must not end
             # the pass as if the data had ended (a CancelledError) or kill the loop (a
@@ -176,7 +178,7 @@ class SourceReader:
         return state_dict() if callable(state_dict) else None
 
     def _read_sync(
-        self, step: int
+        self, state: StepState
     ) -> tuple[Described, Any, list[Prepared] | None, Any, Any] | None:
         assert isinstance(self._iter, Iterator)
         try:
@@ -188,8 +190,8 @@ class SourceReader:
         indices = self._last_indices()
         last_transform = getattr(self._source, "last_read_transform", None)
         transform = last_transform() if callable(last_transform) else None
-        described = self._describe(raw, step)
-        prepared = _prepared(described[0]) if self._prepare else None
+        described = self._describe(raw, state)
+        prepared = _prepared(described[0], state) if self._prepare else None
         return described, self._source_state(), prepared, indices, transform
 
     def _last_indices(self) -> Any:
@@ -199,8 +201,10 @@ class SourceReader:
         indices = last()
         return None if indices is None else np.asarray(indices, dtype=np.int64)
 
-    def _describe(self, raw: Any, step: int) -> Described:
-        """The step's samples (bin after bin, the objects themselves), bin sizes, metadata."""
+    def _describe(self, raw: Any, state: StepState) -> Described:
+        """The step's samples (bin after bin, the objects themselves), bin sizes, metadata (a
+        failure of ``metadata_fn`` is recorded on ``state`` as the ``metadata`` stage's)."""
+        step = state.step
         n = self._bins_per_rank
         if isinstance(raw, (str, bytes)) or not hasattr(raw, "__len__") or len(raw) != n:
             got = len(raw) if hasattr(raw, "__len__") else type(raw).__name__
@@ -223,11 +227,8 @@ class SourceReader:
                     "(the plan keeps bins_per_rank non-empty bins per rank)."
                 )
         samples = list(itertools.chain.from_iterable(bins))
-        try:
+        with state.failing("metadata"):
             metas = [self._describe_sample(sample) for sample in samples]
-        except Exception as exc:
-            exc._evenflow_stage = "metadata"  # type: ignore[attr-defined]
-            raise
         sizes = list(map(len, bins))
         self._check_bins(step, sizes, metas)
         return samples, sizes, metas
@@ -283,13 +284,10 @@ class SourceReader:
         )
 
 
-def _prepared(samples: list[Any]) -> list[Prepared]:
+def _prepared(samples: list[Any], state: StepState) -> list[Prepared]:
     """Every sample measured for the wire; an unencodable one fails the exchange stage."""
-    try:
+    with state.failing("exchange"):
         return [prepare(sample) for sample in samples]
-    except Exception as exc:
-        exc._evenflow_stage = "exchange"  # type: ignore[attr-defined]
-        raise
 
 
 def _close_iterator(held: list[Iterator[Any]]) -> None:

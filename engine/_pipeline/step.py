@@ -9,13 +9,16 @@ doubles as the fail-together channel: it carries this rank's status for the step
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from evenflow.engine._model import SampleMetadata
+from evenflow.engine._pipeline.records import DeviceSlot, LossCount, PassEdge, WindowShare
 from evenflow.engine._pipeline.routes import RankRoutes, rank_routes
 from evenflow.engine._pipeline.stats import StepStats, step_stats
 from evenflow.engine._plan import Plan
@@ -86,48 +89,52 @@ class StepState:
     received: dict[Any, Any] = field(default_factory=dict)
     host_batch: Any = None
     staged: Any = None
-    # Loss targets of this rank's planned batch, its group and the world (None: unknown).
-    loss_rank: int | None = None
-    loss_group: int | None = None
-    loss_world: int | None = None
     world_end: Any = None  # the UnevenEnd when another balance group ended at this step
-    staged_now: bool = False  # staged in ``pack`` (else it waited on the host, pinned)
-    device_slot: bool = False  # holds one of the pipeline's device slots
     confirmed: asyncio.Future[None] | None = None
-    # Balance windows: the samples this rank read in every step of the window, by step (one
-    # dict shared by the window's steps; a sample's entry is dropped once the step that trains
-    # it has sent or packed it), whether this step was delivered before a restore (planned,
-    # never exchanged or delivered again), and whether the round that ended the pass fell in
-    # the middle of a window (a final round then confirms the window's steps).
-    window_samples: dict[int, list[Any]] | None = None
-    window_prepared: dict[int, list[Any]] | None = None  # the window's wire frames, by step
-    window_messages: dict[int, list[dict[str, Any]]] | None = None  # the window's rounds
-    skip: bool = False
-    final_pending: bool = False
+    # Feature records (see records.py): attached only where their feature is on.
+    window: WindowShare | None = None  # a balance window's samples, frames and rounds
+    edge: PassEdge | None = None  # replayed before a restore, or ending a window early
+    loss: LossCount | None = None  # the loss targets known for this step
+    device: DeviceSlot | None = None  # its place under the device-prefetch bound
 
     def local_samples(self) -> dict[int, list[Any]]:
         """This rank's samples a plan of this step may name, by the step that read them."""
-        if self.window_samples is not None:
-            return self.window_samples
+        if self.window is not None:
+            return self.window.samples
         assert self.samples is not None
         return {self.step: self.samples}
 
     def step_messages(self) -> dict[int, list[dict[str, Any]]]:
         """Every rank's metadata message of each step a plan of this step may name."""
-        if self.window_messages is not None:
-            return self.window_messages
+        if self.window is not None:
+            return self.window.messages
         assert self.messages is not None
         return {self.step: self.messages}
 
+    @property
+    def skip(self) -> bool:
+        """Whether this step was delivered before the restore its pass started from."""
+        return self.edge is not None and self.edge.skip
+
     def fail(self, stage: str, exc: BaseException) -> None:
+        """Record the step's first failure and the stage (or part of one) where it happened;
+        the failure is announced to the group in the next metadata round."""
         if self.error is None:
             self.error, self.error_stage = exc, stage
 
+    @contextlib.contextmanager
+    def failing(self, stage: str) -> Iterator[None]:
+        """Record a failure inside the block as ``stage``'s (then let it propagate): how work
+        that runs in parts off the loop says which part failed."""
+        try:
+            yield
+        except Exception as exc:
+            self.fail(stage, exc)
+            raise
+
     def release_payloads(self) -> None:
         self.samples = None
-        self.window_samples = None
-        self.window_prepared = None
-        self.window_messages = None
+        self.window = None
         self.prepared = None
         self.messages = None
         self.received = {}

@@ -26,7 +26,8 @@ def prev_status(prev: StepState | None, rank: int) -> dict[str, Any] | None:
     info = None if prev.error is None else error_info(rank, prev.error_stage, prev.step, prev.error)
     digest = prev.plan.digest if prev.plan is not None else None
     # This rank's loss targets of the step: the group's total is the sum of the reports.
-    return {"step": prev.step, "error": info, "digest": digest, "loss": prev.loss_rank}
+    loss = None if prev.loss is None else prev.loss.rank
+    return {"step": prev.step, "error": info, "digest": digest, "loss": loss}
 
 
 def confirm_prev(
@@ -41,8 +42,9 @@ def confirm_prev(
         return
     losses = [p.get("loss") if isinstance(p, dict) else None for p in prevs]
     counts = [v for v in losses if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
-    if len(counts) == len(losses):
-        prev.loss_group = sum(counts)
+    if len(counts) == len(losses) and prev.loss is not None:
+        # (Complete only when this rank's own report held a count, so ``prev.loss`` is set.)
+        prev.loss.group = sum(counts)
     if prev.error is None:
         for sender, p in enumerate(prevs):
             info = p.get("error") if isinstance(p, dict) else None

@@ -31,6 +31,12 @@ could wait for), and
   records the uneven end (``state.world_end``) and the pipeline drains its group, exactly as
   for an uneven end inside a group, or raises ``SourceExhaustedError`` under
   ``on_uneven_end="raise"``.
+
+The stage (:class:`WorldStage`) needs from the step its status, error and ``loss`` record, and
+what it read (sizes, metadata, ``steps_left``). It adds the world's total to ``loss``, and
+``world_end`` or ``remote`` from the world's verdict; a failed round (after a roll call that
+names the ranks that are gone) becomes the step's ``remote``. Nothing is raised. A step
+delivered before a restore has no round (in every group alike).
 """
 
 from __future__ import annotations
@@ -39,13 +45,14 @@ import logging
 from typing import Any
 
 from evenflow.engine._pipeline.pass_report import RankUnread, UnevenEnd
+from evenflow.engine._pipeline.progress import Progress
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import GroupMismatchError, RemoteStageError, SourceExhaustedError
 from evenflow.transports import Transport
 from evenflow.transports._protocol import ROLL_CALL_SECONDS
 from evenflow.transports.errors import TransportError, WireFormatError
 
-__all__ = ["WorldRound"]
+__all__ = ["WorldRound", "WorldStage"]
 
 logger = logging.getLogger("evenflow")
 
@@ -109,7 +116,7 @@ class WorldRound:
             "step": state.step,
             "status": status,
             "end_reason": state.end_reason,
-            "loss": state.loss_rank if status == "ok" else 0,
+            "loss": (None if state.loss is None else state.loss.rank) if status == "ok" else 0,
             "samples": 0 if state.sizes is None else sum(state.sizes),
             "tokens": 0 if state.metas is None else sum(m.tokens for m in state.metas),
             "left": state.steps_left,
@@ -223,8 +230,24 @@ class WorldRound:
                     logger.warning("%s", uneven.message("stop"))
             return
         losses = [m.get("loss") for m in messages]
-        if all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in losses):
-            state.loss_world = sum(losses)
+        known = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in losses)
+        if known and state.loss is not None:  # (this rank's own count is among them)
+            state.loss.world = sum(losses)
+
+
+class WorldStage:
+    """Runs each step's world round in step order (see the module)."""
+
+    def __init__(self, world: WorldRound, progress: Progress) -> None:
+        self._world = world
+        self._progress = progress
+
+    async def run(self, state: StepState) -> None:
+        if state.skip:
+            return  # delivered before the restore, in every group alike: no round
+        await self._world.run(state)
+        self._progress.world_step = state.step
+        self._progress.notify()
 
 
 def _error_summary(value: Any) -> tuple[str, str, bool]:
