@@ -197,27 +197,17 @@ def test_transports_never_import_engine() -> None:
     assert not bad, bad
 
 
-# Folders whose imports of private transport modules are still to be switched to the internal
-# face. Delete an entry once its folder is switched; once the tuple is empty, delete it and the
-# condition that uses it, and the test covers the whole engine.
-NOT_YET_ON_THE_INTERNAL_FACE = ("evenflow.engine._pipeline.",)
-
-
-def _private_transport_imports(skip: tuple[str, ...]) -> list[str]:
-    return [
-        f"{m.name}:{line} imports {target}"
-        for m in GRAPH.values()
-        if m.name.startswith("evenflow.engine") and not m.name.startswith(skip)
-        for target, line, _ in m.imports
-        if target.startswith("evenflow.transports._")
-    ]
-
-
 def test_the_engine_takes_transport_internals_from_the_internal_face() -> None:
     """The engine imports public names from the public transport modules and the rest from
     :mod:`evenflow.transports.internal`, never from a private ``transports._*`` module: the
     layout of those is the transports' own business (see the internal face's docstring)."""
-    bad = _private_transport_imports(NOT_YET_ON_THE_INTERNAL_FACE)
+    bad = [
+        f"{m.name}:{line} imports {target}"
+        for m in GRAPH.values()
+        if m.name.startswith("evenflow.engine")
+        for target, line, _ in m.imports
+        if target.startswith("evenflow.transports._")
+    ]
     assert not bad, (
         "engine modules import private transport modules; import the name from "
         "evenflow.transports (public) or evenflow.transports.internal instead:\n" + "\n".join(bad)

@@ -12,6 +12,6 @@ device launches for the caller's thread; ``pack`` and ``h2d`` turn samples into 
 and ``pack_check`` holds each packed bin to the metadata it was planned from; ``resume`` and
 ``stats`` are the loader's state and statistics; ``calibration`` carries measured compute
 through the metadata round to a calibrated cost model. The loader's threads are
-``transports._threads.WorkerThreads``: daemon threads with a bounded shutdown, through which
+``transports.internal.WorkerThreads``: daemon threads with a bounded shutdown, through which
 nothing user code raises can stop an event loop.
 """

@@ -13,8 +13,7 @@ from typing import Any
 
 from evenflow.engine._config import LoaderConfig
 from evenflow.engine.errors import ConfigError
-from evenflow.transports import Transport
-from evenflow.transports._registry import create_transport
+from evenflow.transports import Transport, create_transport
 
 __all__ = [
     "bind_source",

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._model import SampleMetadata
+from evenflow.engine._pipeline.resume import decode_state
 from evenflow.engine._pipeline.routes import RankRoutes
 from evenflow.engine._planning.calibration import (
     CalibratedCost,
@@ -43,8 +44,7 @@ from evenflow.engine._planning.calibration import (
     relative_errors,
 )
 from evenflow.engine.errors import ConfigError, LoaderStateError, ResumeError
-from evenflow.transports import _wire
-from evenflow.transports.errors import WireFormatError
+from evenflow.transports import encode
 
 __all__ = [
     "CalibrationStats",
@@ -431,13 +431,9 @@ def load_calibration(
 
 def encode_blob(value: Any) -> bytes:
     """Plain calibration data as bytes for the loader state (the wire format, no pickle)."""
-    return bytes(_wire.encode(value))
+    return bytes(encode(value))
 
 
 def decode_blob(raw: Any, what: str) -> Any:
-    if not isinstance(raw, (bytes, bytearray)):
-        raise ResumeError(f"{what} must be the bytes state_dict() wrote, got {type(raw).__name__}.")
-    try:
-        return _wire.decode(bytearray(raw))
-    except WireFormatError as exc:
-        raise ResumeError(f"{what} in the loader state is damaged: {exc}") from exc
+    """What :func:`encode_blob` wrote (the loader state's decoder and its errors)."""
+    return decode_state(raw, what)

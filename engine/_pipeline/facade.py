@@ -60,7 +60,7 @@ from typing import Any, Self, TypeVar
 
 from evenflow.engine._pipeline.loop_thread import LoopThread, run_coroutine
 from evenflow.engine.errors import ConfigError, LoaderStateError
-from evenflow.transports._threads import ThreadInterrupt
+from evenflow.transports.internal import ThreadInterrupt
 
 logger = logging.getLogger("evenflow")
 

@@ -2,7 +2,7 @@
 
 Every thread runs at the configured lower priority (none by default): the pipeline works ahead
 of training and can wait for a core; compute cannot. They are daemon threads with a bounded
-shutdown (:class:`~evenflow.transports._threads.WorkerThreads`): user code runs on them, and a
+shutdown (:class:`~evenflow.transports.internal.WorkerThreads`): user code runs on them, and a
 call stuck there must never keep ``close()`` or the process from finishing. The transport's
 collective thread is the transport's own.
 """
@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from evenflow.engine._pipeline.loop_thread import nice_initializer
-from evenflow.transports._threads import WorkerThreads
+from evenflow.transports.internal import WorkerThreads
 
 __all__ = ["LoaderThreads"]
 

@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from evenflow.engine.errors import ConfigError
-from evenflow.transports._remote import NOTE_PREFIX
+from evenflow.transports.internal import NOTE_PREFIX
 
 __all__ = ["Declared", "check_packed", "explain_pack_error", "name_samples", "sample_name"]
 

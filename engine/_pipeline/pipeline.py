@@ -75,7 +75,7 @@ from evenflow.engine._pipeline.step import StepState
 from evenflow.engine._pipeline.world_round import WorldRound, WorldStage
 from evenflow.engine.errors import LoaderStateError, StallTimeoutError
 from evenflow.transports import Transport
-from evenflow.transports._threads import unwrap
+from evenflow.transports.internal import unwrap
 
 __all__ = ["Pipeline"]
 

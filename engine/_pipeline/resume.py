@@ -51,7 +51,7 @@ import msgpack
 
 from evenflow.engine._sources.elastic import has_global_position, not_elastic_reason
 from evenflow.engine.errors import LoaderStateError, ResumeError
-from evenflow.transports import Transport, _wire
+from evenflow.transports import Transport, decode, encode
 from evenflow.transports.errors import EncodeError, WireFormatError
 
 __all__ = [
@@ -176,7 +176,7 @@ def read_state(
                 f"loader's source ({type(source).__name__}) has a global one; restore it with "
                 "the kind of source that saved it."
             )
-        position = _decode(state["position"], "state['position']")
+        position = decode_state(state["position"], "state['position']")
         if not isinstance(position, dict) or (position.get("epoch"), position.get("step")) != (
             epoch,
             step,
@@ -238,7 +238,7 @@ def read_state(
     source_state = entry["source"]
     if step and source_state is None and entry["stateful"]:
         raise ResumeError("The state has no source state although its source was stateful.")
-    decoded = None if source_state is None else _decode(source_state, "the source state")
+    decoded = None if source_state is None else decode_state(source_state, "the source state")
     return Restore(epoch, step, read_from, decoded)
 
 
@@ -386,7 +386,7 @@ def _entry_digest(entry: dict[str, Any]) -> str:
 
 def _encode(value: Any) -> bytes:
     try:
-        return bytes(_wire.encode(value))
+        return bytes(encode(value))
     except EncodeError as exc:
         raise ResumeError(
             f"The source's state_dict() returned a value the loader state cannot hold: {exc} "
@@ -395,11 +395,13 @@ def _encode(value: Any) -> bytes:
         ) from exc
 
 
-def _decode(raw: Any, what: str) -> Any:
+def decode_state(raw: Any, what: str) -> Any:
+    """Bytes of the loader state written with the wire format, decoded; ``what`` names the
+    entry in the errors (:class:`ResumeError` for a wrong type or damaged bytes)."""
     if not isinstance(raw, (bytes, bytearray)):
         raise ResumeError(f"{what} must be the bytes state_dict() wrote, got {type(raw).__name__}.")
     try:
-        return _wire.decode(bytearray(raw))  # a private, writable copy: views stay valid
+        return decode(bytearray(raw))  # a private, writable copy: views stay valid
     except WireFormatError as exc:
         raise ResumeError(f"{what} in the loader state is damaged: {exc}") from exc
 

@@ -26,7 +26,7 @@ from evenflow.engine._model import PackingConstraints, SampleMetadata
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import ConfigError
 from evenflow.transports import Prepared, prepare
-from evenflow.transports._threads import ThreadInterrupt
+from evenflow.transports.internal import ThreadInterrupt
 
 __all__ = ["SourceReader"]
 

@@ -24,8 +24,8 @@ from evenflow.engine._pipeline.stats import StepStats, step_stats
 from evenflow.engine._plan import Plan
 from evenflow.engine._planning.columns import StepColumns
 from evenflow.engine.errors import EvenflowError, GroupMismatchError, RemoteStageError
-from evenflow.transports._remote import RemoteErrorInfo
 from evenflow.transports.errors import WireFormatError
+from evenflow.transports.internal import RemoteErrorInfo
 
 __all__ = ["ErrorInfo", "StepState", "build_message", "error_info", "peer_columns", "plan_step"]
 
@@ -34,8 +34,9 @@ MESSAGE_VERSION = 1
 
 
 def error_info(rank: int, stage: str, step: int, exc: BaseException) -> ErrorInfo:
-    """Plain-data description of a failure, as announced to the group (the shared remote-error
-    format of :mod:`evenflow.transports._remote`; ``rank`` is the group rank)."""
+    """Plain-data description of a failure, as announced to the group (the shared
+    remote-error format of :class:`~evenflow.transports.internal.RemoteErrorInfo`; ``rank``
+    is the group rank)."""
     return RemoteErrorInfo.from_exception(exc, rank=rank, stage=stage, step=step).to_wire()
 
 

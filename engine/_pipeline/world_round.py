@@ -49,8 +49,8 @@ from evenflow.engine._pipeline.progress import Progress
 from evenflow.engine._pipeline.step import StepState
 from evenflow.engine.errors import GroupMismatchError, RemoteStageError, SourceExhaustedError
 from evenflow.transports import Transport
-from evenflow.transports._protocol import ROLL_CALL_SECONDS
 from evenflow.transports.errors import TransportError, WireFormatError
+from evenflow.transports.internal import ROLL_CALL_SECONDS
 
 __all__ = ["WorldRound", "WorldStage"]
 
