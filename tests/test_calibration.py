@@ -8,18 +8,18 @@ from typing import Any
 import numpy as np
 import pytest
 
-from evenflow.engine import (
-    CalibratedCost,
-    ComponentCost,
-    FlopsCost,
-    QuadraticCost,
-    SampleMetadata,
-    TokenCost,
-)
+from evenflow.engine import SampleMetadata
 from evenflow.engine._pipeline.calibration import GroupCalibration
 from evenflow.engine._planning.calibration import Calibrator, fit_coefficients
 from evenflow.engine._planning.cost import evaluate_costs, resolve_cost_model
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import (
+    CalibratedCost,
+    ComponentCost,
+    FlopsCost,
+    QuadraticCost,
+    TokenCost,
+)
 
 TRUE = np.array([2e-3, 1e-4, 7e-6, 1e-8])
 

@@ -11,15 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from testkit.models import mla_config
 
-from evenflow.engine import (
-    ComponentCost,
-    CostModel,
-    FlopsCost,
-    QuadraticCost,
-    SampleKey,
-    SampleMetadata,
-    TokenCost,
-)
+from evenflow.engine import SampleMetadata
 from evenflow.engine._planning.cost import (
     cost_model_id,
     evaluate_components,
@@ -27,6 +19,14 @@ from evenflow.engine._planning.cost import (
     resolve_cost_model,
 )
 from evenflow.engine.errors import ConfigError, PlanningError
+from evenflow.engine.planning import (
+    ComponentCost,
+    CostModel,
+    FlopsCost,
+    QuadraticCost,
+    SampleKey,
+    TokenCost,
+)
 
 _MLA_CONFIG: dict[str, Any] = mla_config()
 

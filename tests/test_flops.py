@@ -10,8 +10,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from testkit.models import mla_config
 
-from evenflow.engine import FlopsCost, SampleMetadata
+from evenflow.engine import SampleMetadata
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import FlopsCost
 
 
 def _gqa(**overrides: Any) -> dict[str, Any]:

@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from evenflow.engine import FlopsCost, SampleMetadata, VisionLanguageCost
+from evenflow.engine import SampleMetadata
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import FlopsCost, VisionLanguageCost
 
 T = pytest.importorskip("transformers")
 

@@ -2,8 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from evenflow.engine import PackingConstraints, SampleKey, SampleMetadata
+from evenflow.engine import SampleMetadata
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import PackingConstraints, SampleKey
 
 
 def test_sample_key_is_ordered_by_rank_step_index() -> None:

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from evenflow.engine import BalancedLoader, CalibratedCost, LoaderConfig, QuadraticCost
+from evenflow.engine import BalancedLoader, LoaderConfig
+from evenflow.engine.planning import CalibratedCost, QuadraticCost
 
 #: Seconds per bin, per sample, per token and per token²: the clock the tests measure.
 TRUE = (1e-3, 2e-4, 7e-6, 2e-9)

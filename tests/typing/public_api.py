@@ -15,12 +15,12 @@ from evenflow.engine import (
     DistributedLoader,
     LoaderConfig,
     LossTokens,
-    Planner,
     SampleMetadata,
     StepStats,
     Tracer,
     build_loader,
 )
+from evenflow.engine.planning import FlopsCost, Planner, TokenCost
 from evenflow.transports import GlooTransport, Transport
 
 
@@ -50,3 +50,6 @@ def check_public_types(transport: GlooTransport) -> None:
     assert_type(build_loader(steps(), config, transport="gloo"), DistributedLoader)
     meta = SampleMetadata(tokens=3)
     assert_type(meta, SampleMetadata)
+    assert_type(TokenCost()(meta), float)
+    flops = FlopsCost({"model_type": "llama"})
+    assert_type(flops.model_id, str)
