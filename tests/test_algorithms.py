@@ -13,25 +13,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evenflow.engine._model import PackingConstraints, SampleKey
 from evenflow.engine._planning import native
-from evenflow.engine._planning.lpt import LPTAlgorithm, lpt_assign
+from evenflow.engine._planning.lpt import lpt_assign
 from evenflow.engine._planning.objectives import (
     balance,
     makespan,
     objective_name,
     resolve_objective,
 )
-from evenflow.engine._planning.problem import (
-    BalanceProblem,
-    FlatLayout,
-    _flatten,
-    first_infeasible_bin,
-)
-from evenflow.engine._planning.refine import RefineAlgorithm
+from evenflow.engine._planning.problem import _flatten, first_infeasible_bin
 from evenflow.engine._planning.registry import resolve_algorithm
 from evenflow.engine._planning.search import search
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import (
+    BalanceProblem,
+    FlatLayout,
+    LPTAlgorithm,
+    PackingConstraints,
+    RefineAlgorithm,
+    SampleKey,
+)
 
 # ---------------------------------------------------------------------------- helpers
 

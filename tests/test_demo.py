@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from evenflow.engine._model import SampleMetadata
+from evenflow.engine import SampleMetadata
 from evenflow.engine._pipeline.pack import count_loss_tokens, default_pack_fn
 from evenflow.engine._tools.demo import run
 from evenflow.engine._tools.demo.calibrate import FittedCost, calibration_bins, time_bins

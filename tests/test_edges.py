@@ -455,7 +455,7 @@ def _vm_peak_kib() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
 def test_planning_memory_does_not_grow_with_seq_len() -> None:
-    from evenflow.engine._planning.planner import Planner
+    from evenflow.engine.planning import Planner
     from evenflow.engine.workloads import make_step
 
     samples, bins = make_step("longctx", "bfd", num_ranks=8, bins_per_rank=1, seq_len=8192, seed=5)

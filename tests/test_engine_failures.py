@@ -34,13 +34,13 @@ from testkit.loaders import (
 )
 
 from evenflow.engine import BalancedLoader, LoaderConfig
-from evenflow.engine._planning.lpt import LPTAlgorithm
 from evenflow.engine.errors import (
     ConfigError,
     LoaderStateError,
     PeerFailureError,
     SourceExhaustedError,
 )
+from evenflow.engine.planning import LPTAlgorithm
 from evenflow.transports import InProcessGroup, Transport
 from evenflow.transports.launch import RankPool
 from evenflow.transports.testing import WrappedTransport

@@ -9,8 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from evenflow.engine import BalancedLoader, LoaderConfig
-from evenflow.engine._distributed.loader import DistributedLoader
+from evenflow.engine import BalancedLoader, DistributedLoader, LoaderConfig
 from evenflow.engine._distributed.topology import Topology, mesh_layout
 from evenflow.engine._pipeline import loader as loader_module
 from evenflow.engine._pipeline.facade import drive

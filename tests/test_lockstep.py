@@ -20,9 +20,9 @@ from testkit.steps import Step, check_window, cost, quadratic, step_columns, win
 from evenflow.engine import LoaderConfig
 from evenflow.engine._planning.bounds import lockstep_lower_bound
 from evenflow.engine._planning.objectives import lockstep, resolve_objective
-from evenflow.engine._planning.planner import Planner
 from evenflow.engine._planning.window import plan_window
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import Planner
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

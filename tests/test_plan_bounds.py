@@ -11,14 +11,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_algorithms import FAST, make_problem
 
-from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine import BalanceDecision, SampleMetadata
 from evenflow.engine._pipeline.stats import BalanceTally, step_stats
-from evenflow.engine._plan import BalanceDecision, plan_from_wire, plan_to_wire
+from evenflow.engine._plan import plan_from_wire, plan_to_wire
 from evenflow.engine._planning import bounds, native
 from evenflow.engine._planning.bounds import step_bound
-from evenflow.engine._planning.cost import QuadraticCost
-from evenflow.engine._planning.planner import Planner
-from evenflow.engine._planning.problem import BalanceProblem
+from evenflow.engine.planning import BalanceProblem, Planner, QuadraticCost, SampleKey
 
 
 def brute_force_optimum(problem: BalanceProblem) -> float:
@@ -298,7 +296,7 @@ def test_balance_tally_counts_bounds() -> None:
 
 
 def test_component_costs_get_the_generic_bounds() -> None:
-    from evenflow.engine._planning.cost import ComponentCost
+    from evenflow.engine.planning import ComponentCost
 
     def encoder(meta: SampleMetadata) -> float:
         return float(meta.tokens)

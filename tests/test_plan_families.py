@@ -16,8 +16,9 @@ from test_algorithms import make_problem
 
 from evenflow.engine._planning import native
 from evenflow.engine._planning.objectives import balance
-from evenflow.engine._planning.problem import BalanceProblem, FlatLayout, _flatten
+from evenflow.engine._planning.problem import _flatten
 from evenflow.engine._planning.search import good_enough, search_state
+from evenflow.engine.planning import BalanceProblem, FlatLayout
 
 
 def _source(problem: BalanceProblem) -> FlatLayout:

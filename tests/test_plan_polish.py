@@ -13,9 +13,9 @@ from test_plan_bounds import brute_force_optimum
 
 from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.polish import polish
-from evenflow.engine._planning.problem import BalanceProblem, FlatLayout, _flatten
-from evenflow.engine._planning.refine import RefineAlgorithm
+from evenflow.engine._planning.problem import _flatten
 from evenflow.engine._planning.search import good_enough, search, search_state
+from evenflow.engine.planning import BalanceProblem, FlatLayout, RefineAlgorithm
 
 
 def _source(problem: BalanceProblem) -> FlatLayout:

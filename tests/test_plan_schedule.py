@@ -126,8 +126,7 @@ def test_the_default_algorithm_runs_the_stages_the_schedule_lists(
     # theirs. Without those stages only the first search runs.
     import dataclasses
 
-    from evenflow.engine._planning.planner import Planner
-    from evenflow.engine._planning.refine import RefineAlgorithm
+    from evenflow.engine.planning import Planner, RefineAlgorithm
     from evenflow.engine.workloads import make_step
 
     budgets: list[int] = []

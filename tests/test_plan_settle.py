@@ -11,14 +11,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from test_algorithms import FAST, assert_valid_layout, make_problem, problems
 
-from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine import SampleMetadata
 from evenflow.engine._planning import refine, schedule
-from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.lpt import lpt_layout
 from evenflow.engine._planning.objectives import makespan
-from evenflow.engine._planning.planner import Planner
-from evenflow.engine._planning.problem import BalanceProblem, FlatLayout, _flatten
+from evenflow.engine._planning.problem import _flatten
 from evenflow.engine._planning.settle import home_bins, settle
+from evenflow.engine.planning import BalanceProblem, FlatLayout, Planner, QuadraticCost, SampleKey
 from evenflow.engine.workloads import DISTRIBUTIONS, make_step
 
 

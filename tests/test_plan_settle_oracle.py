@@ -14,12 +14,11 @@ from test_plan_settle import shuffled_layouts
 
 from evenflow.engine._planning import native
 from evenflow.engine._planning.columns import columns_of_samples
-from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.lpt import lpt_layout
-from evenflow.engine._planning.planner import Planner
-from evenflow.engine._planning.problem import BalanceProblem, FlatLayout, _flatten
+from evenflow.engine._planning.problem import _flatten
 from evenflow.engine._planning.search import search
 from evenflow.engine._planning.settle import home_bins
+from evenflow.engine.planning import BalanceProblem, FlatLayout, Planner, QuadraticCost
 from evenflow.engine.workloads import DISTRIBUTIONS, make_step
 
 

@@ -8,13 +8,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine import SampleMetadata
 from evenflow.engine._plan import plan_digest
 from evenflow.engine._planning import columns
-from evenflow.engine._planning.cost import ComponentCost
-from evenflow.engine._planning.planner import Planner
-from evenflow.engine._planning.problem import BalanceProblem
 from evenflow.engine.errors import ConfigError, PlanningError
+from evenflow.engine.planning import BalanceProblem, ComponentCost, Planner, SampleKey
 
 Samples = list[tuple[SampleKey, SampleMetadata]]
 

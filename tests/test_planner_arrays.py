@@ -17,14 +17,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evenflow.engine._model import SampleKey, SampleMetadata
+from evenflow.engine import SampleMetadata
 from evenflow.engine._pipeline.routes import rank_routes
 from evenflow.engine._pipeline.stats import step_stats
 from evenflow.engine._pipeline.step import StepState, build_message, plan_step
-from evenflow.engine._plan import Plan, plan_from_wire, plan_to_wire
+from evenflow.engine._plan import plan_from_wire, plan_to_wire
 from evenflow.engine._planning.columns import StepColumns
-from evenflow.engine._planning.planner import Planner
 from evenflow.engine.errors import ConfigError, GroupMismatchError, PlanningError
+from evenflow.engine.planning import Plan, Planner, SampleKey
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -213,7 +213,7 @@ def test_plan_arrays_builds_no_key_objects_until_asked() -> None:
 
 
 def BinPlanOf(*keys: tuple[int, int, int]) -> Any:
-    from evenflow.engine._plan import BinPlan
+    from evenflow.engine.planning import BinPlan
 
     tokens = sum({(0, 4, 0): 6, (0, 4, 1): 3, (1, 4, 0): 1}[k] for k in keys)
     return BinPlan(tuple(SampleKey(*k) for k in keys), tokens, False)

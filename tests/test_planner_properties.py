@@ -7,9 +7,8 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from evenflow.engine._model import SampleKey, SampleMetadata
-from evenflow.engine._plan import Plan
-from evenflow.engine._planning.planner import Planner
+from evenflow.engine import SampleMetadata
+from evenflow.engine.planning import Plan, Planner, SampleKey
 
 Step = tuple[
     int, int, int, list[tuple[SampleKey, SampleMetadata]], list[list[SampleKey]], dict[str, Any]

@@ -8,8 +8,8 @@ import pytest
 
 from evenflow.engine._distributed.build import _agreed_identity, _raise_on_mismatch
 from evenflow.engine._planning import native
-from evenflow.engine._planning.planner import Planner
 from evenflow.engine.errors import GroupMismatchError
+from evenflow.engine.planning import Planner
 
 
 class _Layout:

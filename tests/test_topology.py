@@ -247,7 +247,7 @@ def _ok(step: int, epoch: int = 0) -> tuple[dict[str, Any], Any]:
 
 
 def _follower(messages: list[tuple[dict[str, Any], Any]], **config: Any) -> Any:
-    from evenflow.engine._distributed.loader import DistributedLoader
+    from evenflow.engine import DistributedLoader
     from evenflow.engine._pipeline.h2d import DeviceStager
 
     layout = mesh_layout([[0, 1], [2, 3]], ("dp", "tp"), world_size=4)
@@ -340,7 +340,8 @@ async def test_follower_async_iteration_and_resume() -> None:
 def test_build_loader_needs_a_distributed_world() -> None:
     import torch.distributed as dist
 
-    from evenflow.engine._distributed.build import _startup_timeout, build_loader
+    from evenflow.engine import build_loader
+    from evenflow.engine._distributed.build import _startup_timeout
 
     if dist.is_available() and dist.is_initialized():  # pragma: no cover - not in this suite
         pytest.skip("a process group is initialised in this process")
@@ -372,7 +373,7 @@ def _source(rank: int, num_steps: int) -> Iterator[Any]:
 
 
 def _config(**overrides: Any) -> Any:
-    from evenflow.engine._config import LoaderConfig
+    from evenflow.engine import LoaderConfig
 
     fields: dict[str, Any] = {"seq_len": SEQ_LEN, "bins_per_rank": 2, "timeout": 20.0}
     fields.update(overrides)
@@ -389,7 +390,7 @@ def _tokens(batch: Any) -> list[int]:
 
 def rank_groups(rank: int, num_ranks: int, mode: str) -> dict[str, Any]:
     """Build with node grouping from GROUP_RANK or with balance_group_size=2; run two steps."""
-    from evenflow.engine._distributed.build import build_loader
+    from evenflow.engine import build_loader
 
     saved = os.environ.get("GROUP_RANK")
     if mode == "env":
@@ -428,7 +429,7 @@ def rank_mesh(rank: int, num_ranks: int, fail_at: int | None, mode: str) -> dict
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    from evenflow.engine._distributed.build import build_loader
+    from evenflow.engine import build_loader
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     constructor = rank % 2 == 0
@@ -486,7 +487,7 @@ def rank_build_error(rank: int, num_ranks: int, case: str) -> dict[str, str] | N
     """Every rank must raise the same error for a bad build on one or all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from evenflow.engine._distributed.build import build_loader
+    from evenflow.engine import build_loader
 
     kwargs: dict[str, Any] = {}
     config = _config()

@@ -9,14 +9,8 @@ from typing import Any
 
 import pytest
 
-from evenflow.engine._tracing import (
-    NullTracer,
-    Span,
-    StallMeter,
-    Tracer,
-    merge_chrome_traces,
-    resolve_tracer,
-)
+from evenflow.engine import NullTracer, Tracer, merge_chrome_traces
+from evenflow.engine._tracing import Span, StallMeter, resolve_tracer
 from evenflow.engine._tracing import chrome as _chrome
 from evenflow.engine._tracing import stall as _stall
 from evenflow.engine._tracing import tracer as _tracing

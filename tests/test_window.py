@@ -481,8 +481,8 @@ def test_a_window_longer_than_the_device_bound_still_flows(monkeypatch: pytest.M
 async def test_outlier_bound_steps_are_flagged_and_their_cost_reported(
     window: int, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from evenflow.engine._model import SampleMetadata
-    from evenflow.engine._planning.cost import QuadraticCost
+    from evenflow.engine import SampleMetadata
+    from evenflow.engine.planning import QuadraticCost
 
     cost = QuadraticCost(linear=0.0)  # attention only: the long samples dominate
     loaders = _loaders(2, window, steps=8, cost_model=cost)

@@ -24,9 +24,9 @@ from evenflow.engine._planning.bounds import (
     window_lower_bound,
 )
 from evenflow.engine._planning.columns import StepColumns
-from evenflow.engine._planning.planner import Planner
 from evenflow.engine._planning.window import plan_window
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import Planner
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from evenflow.engine._model import SampleKey
 from evenflow.engine.errors import ConfigError
+from evenflow.engine.planning import SampleKey
 from evenflow.engine.workloads import (
     DISTRIBUTIONS,
     PACKERS,

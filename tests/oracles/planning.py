@@ -23,9 +23,8 @@ import numpy as np
 
 from evenflow.engine._planning import native
 from evenflow.engine._planning.objectives import balance
-from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
-from evenflow.engine._planning.refine import RefineAlgorithm
 from evenflow.engine._planning.schedule import NEAR_OPTIMAL
+from evenflow.engine.planning import BalanceProblem, FlatLayout, RefineAlgorithm
 
 __all__ = [
     "OracleRefine",
