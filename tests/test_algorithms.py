@@ -10,8 +10,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from testkit.problems import FAST, assert_valid_layout, make_problem, problems
 
 from evenflow.engine._planning import native
 from evenflow.engine._planning.lpt import lpt_assign
@@ -35,39 +36,6 @@ from evenflow.engine.planning import (
 )
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def make_problem(
-    bins: list[list[int]],
-    *,
-    num_ranks: int,
-    seq_len: int,
-    costs: list[float] | None = None,
-    budgets: dict[str, float] | None = None,
-    budget_costs: list[list[float]] | None = None,
-    policy: str = "error",
-    objective: str = "makespan",
-) -> BalanceProblem:
-    """A problem whose source bins hold samples with the given token counts, in order."""
-    tokens = [t for b in bins for t in b]
-    n = len(tokens)
-    source: list[tuple[int, ...]] = []
-    start = 0
-    for b in bins:
-        source.append(tuple(range(start, start + len(b))))
-        start += len(b)
-    constraints = PackingConstraints(seq_len, policy, budgets)  # type: ignore[arg-type]
-    return BalanceProblem(
-        keys=tuple(SampleKey(0, 0, i) for i in range(n)),
-        costs=np.array(costs if costs is not None else [float(t * t) for t in tokens]),
-        tokens=np.array(tokens, dtype=np.int64),
-        budget_costs=np.array(budget_costs if budget_costs is not None else [[]] * n),
-        source_bins=tuple(source),
-        num_ranks=num_ranks,
-        bins_per_rank=len(bins) // num_ranks,
-        constraints=constraints,
-        objective=resolve_objective(objective),
-    )
 
 
 def reference_lpt(problem: BalanceProblem) -> list[list[int]] | None:
@@ -114,68 +82,6 @@ def reference_lpt(problem: BalanceProblem) -> list[list[int]] | None:
         load[r] += float(problem.costs[i])
         rank_tokens[r] += min(t, seq_len)
     return bins
-
-
-def assert_valid_layout(problem: BalanceProblem, bins: list[list[int]]) -> None:
-    assert len(bins) == problem.num_bins
-    assert all(len(b) > 0 for b in bins)
-    assert sorted(i for b in bins for i in b) == list(range(problem.num_samples))
-    assert first_infeasible_bin(problem, bins) == -1
-    for b in bins:  # the exact replay agrees
-        tokens = int(problem.tokens[b].sum())
-        if tokens > problem.constraints.seq_len:
-            assert len(b) == 1
-            assert problem.constraints.oversized_policy == "single"
-
-
-@st.composite
-def problems(draw: st.DrawFn, *, full: bool = False, with_budgets: bool = False) -> BalanceProblem:
-    """Random feasible problems; ``full`` packs source bins close to seq_len."""
-    num_ranks = draw(st.integers(2, 5))
-    per = draw(st.integers(1, 3))
-    seq_len = draw(st.integers(8, 40))
-    bins: list[list[int]] = []
-    for _ in range(num_ranks * per):
-        room = seq_len
-        items: list[int] = []
-        count = draw(st.integers(1, 5))
-        for _ in range(count):
-            if room <= 0:
-                break
-            low = max(1, room - 2) if full and len(items) == count - 1 else 1
-            t = draw(st.integers(low, room))
-            items.append(t)
-            room -= t
-        bins.append(items)
-    n = sum(len(b) for b in bins)
-    linear = draw(st.sampled_from([0.0, 1.0, 30.0]))
-    tokens = [t for b in bins for t in b]
-    costs = [linear * t + t * t for t in tokens]
-    budgets = None
-    budget_costs = None
-    if with_budgets:
-        # Budgets loose enough for the source (it must be feasible): each bin's sum, padded.
-        patches = [draw(st.integers(0, 3)) for _ in range(n)]
-        sums = []
-        start = 0
-        for b in bins:
-            sums.append(sum(patches[start : start + len(b)]))
-            start += len(b)
-        budgets = {"patches": float(max(sums) + draw(st.integers(0, 2)))}
-        budget_costs = [[float(p)] for p in patches]
-    objective = draw(st.sampled_from(["makespan", "balance"]))
-    return make_problem(
-        bins,
-        num_ranks=num_ranks,
-        seq_len=seq_len,
-        costs=costs,
-        budgets=budgets,
-        budget_costs=budget_costs,
-        objective=objective,
-    )
-
-
-FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 # ---------------------------------------------------------------------------- objectives

@@ -250,6 +250,30 @@ def test_no_project_import_inside_a_function() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_test_modules_import_helpers_from_testkit_not_from_each_other() -> None:
+    """A helper two test modules share lives in ``tests/testkit``: importing a test module
+    runs its module-level code and couples two files' tests (a rename in one breaks the
+    other's collection)."""
+    tests = ROOT / "tests"
+    names = {path.stem for path in tests.glob("test_*.py")}
+    assert len(names) > 40, sorted(names)
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                # load_test_module("test_x.py") and friends: a test module loaded by path
+                targets = [node.value.removesuffix(".py")] if node.value.endswith(".py") else []
+            else:
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} {t}" for t in targets if t in names]
+    assert not bad, bad
+
+
 # The faces that still list their lazy names in a table of their own beside the TYPE_CHECKING
 # imports; evenflow.engine's faces declare each name once and derive the table from it
 # (engine/_face.py; tests/test_public_face.py checks them).

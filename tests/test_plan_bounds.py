@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import itertools
 from types import ModuleType
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_algorithms import FAST, make_problem
+from testkit.problems import FAST, brute_force_optimum, make_problem
 
 from evenflow.engine import BalanceDecision, SampleMetadata
 from evenflow.engine._pipeline.stats import BalanceTally, step_stats
@@ -17,27 +16,6 @@ from evenflow.engine._plan import plan_from_wire, plan_to_wire
 from evenflow.engine._planning import bounds, native
 from evenflow.engine._planning.bounds import step_bound
 from evenflow.engine.planning import BalanceProblem, Planner, QuadraticCost, SampleKey
-
-
-def brute_force_optimum(problem: BalanceProblem) -> float:
-    """The least makespan over every feasible layout (tiny problems only)."""
-    n, nb, per = problem.num_samples, problem.num_bins, problem.bins_per_rank
-    seq_len = problem.constraints.seq_len
-    tokens, costs = problem.tokens.tolist(), problem.costs.tolist()
-    best = float("inf")
-    for assignment in itertools.product(range(nb), repeat=n):
-        fill = [0] * nb
-        count = [0] * nb
-        for i, b in enumerate(assignment):
-            fill[b] += tokens[i]
-            count[b] += 1
-        if min(count) == 0 or max(fill) > seq_len:
-            continue
-        loads = [0.0] * problem.num_ranks
-        for i, b in enumerate(assignment):
-            loads[b // per] += costs[i]
-        best = min(best, max(loads))
-    return best
 
 
 @st.composite

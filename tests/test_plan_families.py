@@ -12,7 +12,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
-from test_algorithms import make_problem
+from testkit.problems import make_problem
 
 from evenflow.engine._planning import native
 from evenflow.engine._planning.objectives import balance

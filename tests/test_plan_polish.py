@@ -8,8 +8,13 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from test_algorithms import FAST, assert_valid_layout, make_problem, problems
-from test_plan_bounds import brute_force_optimum
+from testkit.problems import (
+    FAST,
+    assert_valid_layout,
+    brute_force_optimum,
+    make_problem,
+    problems,
+)
 
 from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.polish import polish

@@ -8,8 +8,12 @@ import itertools
 import numpy as np
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
-from test_algorithms import FAST, assert_valid_layout, make_problem, problems
+from testkit.problems import (
+    FAST,
+    assert_valid_layout,
+    make_problem,
+    shuffled_layouts,
+)
 
 from evenflow.engine import SampleMetadata
 from evenflow.engine._planning import refine, schedule
@@ -40,27 +44,6 @@ def _score(problem: BalanceProblem):  # type: ignore[no-untyped-def]
         return float(problem.objective(problem.rank_costs_of(problem._rank_of_flat(flat, sizes))))
 
     return score
-
-
-@st.composite
-def shuffled_layouts(draw: st.DrawFn) -> tuple[BalanceProblem, FlatLayout]:
-    """A problem and a layout of it with its bins dealt to ranks in a random order."""
-    problem = draw(problems())
-    bins = [list(b) for b in problem.source_bins]
-    order = draw(st.permutations(range(len(bins))))
-    shuffled = [list(bins[b]) for b in order]
-    # Also move one sample between two bins when both keep one, to break pure permutations.
-    if draw(st.booleans()) and len(shuffled) >= 2 and len(shuffled[0]) >= 2:
-        shuffled[1].append(shuffled[0].pop())
-        if first_bad(problem, shuffled):
-            shuffled = [list(bins[b]) for b in order]
-    return problem, FlatLayout(*_flatten(shuffled))
-
-
-def first_bad(problem: BalanceProblem, bins: list[list[int]]) -> bool:
-    from evenflow.engine._planning.problem import first_infeasible_bin
-
-    return first_infeasible_bin(problem, bins) >= 0
 
 
 @FAST

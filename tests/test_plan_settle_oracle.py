@@ -9,8 +9,7 @@ import pytest
 from conftest import load_test_module
 from hypothesis import given
 from hypothesis import strategies as st
-from test_algorithms import FAST
-from test_plan_settle import shuffled_layouts
+from testkit.problems import FAST, make_problem, shuffled_layouts
 
 from evenflow.engine._planning import native
 from evenflow.engine._planning.columns import columns_of_samples
@@ -144,8 +143,6 @@ def test_relabelling_keeps_the_identity_when_another_labelling_only_ties(
     # Overlaps (new rank x source rank) [[1, 0, 0], [1, 1, 2], [0, 1, 2]]: the assignment
     # method reaches labels (0, 2, 1), which keep 4 samples, as many as the identity does;
     # the identity stays. Samples: source bin 0 = a, b; 1 = c, d; 2 = e, f, g, h.
-    from test_algorithms import make_problem
-
     problem = make_problem([[1, 1], [1, 1], [1, 1, 1, 1]], num_ranks=3, seq_len=10)
     a, b, c, d, e, f, g, h = range(8)
     layout = _flatten([[a], [b, c, e, f], [d, g, h]])

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from testkit.devices import FakeDevice
 
 from evenflow.engine import BalancedLoader, LoaderConfig
 from evenflow.engine._pipeline import h2d
@@ -21,58 +22,6 @@ from evenflow.engine.errors import ConfigError
 
 STEPS = 7
 PREFETCH = 3
-
-
-class _Stream:
-    def synchronize(self) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-
-class _Event:
-    def record(self, stream: _Stream) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Context:
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-class _Device:
-    """The slice of ``torch.cuda`` the stager uses; it records nothing, the test does."""
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self) -> int:
-        return 0
-
-    def set_device(self, device: torch.device) -> None:
-        pass
-
-    def Stream(self, device: torch.device) -> _Stream:
-        return _Stream()
-
-    def Event(self) -> _Event:
-        return _Event()
-
-    def stream(self, stream: _Stream) -> _Context:
-        return _Context()
-
-    def current_stream(self, device: torch.device | None = None) -> _Stream:
-        return _Stream()
 
 
 def _steps() -> list[list[list[list[int]]]]:
@@ -92,7 +41,7 @@ def _run(
     log: list[tuple[str, int]] = []
     lock = threading.Lock()
     prepared = threading.Condition(lock)
-    monkeypatch.setattr(h2d, "_load_device_module", lambda device: _Device())
+    monkeypatch.setattr(h2d, "_load_device_module", lambda device: FakeDevice())
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
     original_pin = h2d.DeviceStager.pin
 

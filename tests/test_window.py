@@ -449,12 +449,11 @@ def test_a_window_longer_than_the_device_bound_still_flows(monkeypatch: pytest.M
     to be delivered, which waits for the window's last step to be packed: the stages between
     them must be able to hold the window's steps, or the pipeline stalls for good."""
     import torch
-    from conftest import load_test_module
+    from testkit.devices import FakeDevice
 
     from evenflow.engine._pipeline import h2d
 
-    device = load_test_module("test_train_device_prefetch.py")
-    monkeypatch.setattr(h2d, "_load_device_module", lambda _: device._Device())
+    monkeypatch.setattr(h2d, "_load_device_module", lambda _: FakeDevice())
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self.clone())
     window, steps = 8, 20
     config = LoaderConfig(
