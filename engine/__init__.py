@@ -7,19 +7,19 @@ contract is checked by :mod:`evenflow.engine.testing`.
 
 Every public name is declared once below, as ``from module import name as name``: at top level
 when it is imported with the package, under ``TYPE_CHECKING`` when it is served lazily on first
-access (type checkers read the same line). ``_face.serve`` derives ``__all__`` and the lazy
-lookup from these lines; see ``engine/_face.py``.
+access (type checkers read the same line). ``_serve`` (``transports/_face.py``) derives
+``__all__`` and the lazy lookup from these lines.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from evenflow.engine import _face
 from evenflow.engine import errors as errors
 from evenflow.engine._model import OversizedPolicy as OversizedPolicy
 from evenflow.engine._model import SampleMetadata as SampleMetadata
 from evenflow.engine._plan import BalanceDecision as BalanceDecision
+from evenflow.transports.internal import serve as _serve
 
 if TYPE_CHECKING:
     # Loop users: the loader, its configuration and the sources it reads.
@@ -49,4 +49,4 @@ if TYPE_CHECKING:
     from evenflow.engine._tracing import Tracer as Tracer
     from evenflow.engine._tracing import merge_chrome_traces as merge_chrome_traces
 
-_face.serve(__name__, moved_to=("evenflow.engine.planning",))
+_serve(__name__, moved_to=("evenflow.engine.planning",))

@@ -6,14 +6,14 @@ models, a :class:`CalibratedCost` refitted to measured compute), to plug in a
 :class:`BalancingAlgorithm`, or to drive a :class:`Planner` directly. The sample description
 both audiences share, :class:`~evenflow.engine.SampleMetadata`, lives in ``evenflow.engine``.
 
-Names are declared once each, as in ``evenflow.engine`` (see ``engine/_face.py``).
+Names are declared once each, as in ``evenflow.engine`` (see ``transports/_face.py``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from evenflow.engine import _face
+from evenflow.transports.internal import serve as _serve
 
 if TYPE_CHECKING:
     # Cost models: what a sample costs to train on.
@@ -38,4 +38,4 @@ if TYPE_CHECKING:
     from evenflow.engine._planning.problem import FlatLayout as FlatLayout
     from evenflow.engine._planning.refine import RefineAlgorithm as RefineAlgorithm
 
-_face.serve(__name__)
+_serve(__name__)

@@ -14,8 +14,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"evenflow.engine": ROOT / "engine", "evenflow.transports": ROOT / "transports"}
 TOOLS = "evenflow.engine._tools"
@@ -272,41 +270,6 @@ def test_test_modules_import_helpers_from_testkit_not_from_each_other() -> None:
                 continue
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} {t}" for t in targets if t in names]
     assert not bad, bad
-
-
-# The faces that still list their lazy names in a table of their own beside the TYPE_CHECKING
-# imports; evenflow.engine's faces declare each name once and derive the table from it
-# (engine/_face.py; tests/test_public_face.py checks them).
-LAZY_FACES = ["evenflow.transports", "evenflow.transports.internal"]
-
-
-@pytest.mark.parametrize("package", LAZY_FACES)
-def test_lazy_names_are_visible_to_type_checkers(package: str) -> None:
-    """Every name served by the face's ``__getattr__`` is also imported under
-    ``TYPE_CHECKING`` from the same module, so type checkers see the real object."""
-    module = GRAPH[package]
-    tree = ast.parse(module.path.read_text(encoding="utf-8"))
-    lazy: dict[str, str] = {}
-    typed: dict[str, str] = {}
-    exported: list[str] = []
-    for node in tree.body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "_LAZY":
-            assert isinstance(node.value, ast.Dict)
-            for key, value in zip(node.value.keys, node.value.values, strict=True):
-                assert isinstance(key, ast.Constant) and isinstance(value, ast.Constant)
-                lazy[str(key.value)] = str(value.value)
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for stmt in node.body:
-                assert isinstance(stmt, ast.ImportFrom) and stmt.module
-                for alias in stmt.names:
-                    typed[alias.asname or alias.name] = stmt.module
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "__all__":
-            assert isinstance(node.value, ast.List)
-            exported = [str(e.value) for e in node.value.elts if isinstance(e, ast.Constant)]
-    assert lazy, f"{package} serves no lazy names: the check would be empty"
-    assert typed == lazy
-    assert set(lazy) <= set(exported)
-    assert exported == sorted(exported, key=str.lower) or exported == sorted(exported)
 
 
 def _wing(name: str) -> str:

@@ -1,79 +1,36 @@
-"""evenflow.transports — moving bytes between the ranks of a balance group."""
+"""evenflow.transports — moving bytes between the ranks of a balance group.
+
+Every public name is declared once below, as ``from module import name as name``: at top level
+when it is imported with the package, under ``TYPE_CHECKING`` when it is served lazily on first
+access (type checkers read the same line). ``_face.serve`` derives ``__all__`` and the lazy
+lookup from these lines; see ``transports/_face.py``.
+"""
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from evenflow.transports import errors
-from evenflow.transports._base import InlineLauncher, Launcher, Transport
+from evenflow.transports import _face
+from evenflow.transports import errors as errors
+from evenflow.transports._base import InlineLauncher as InlineLauncher
+from evenflow.transports._base import Launcher as Launcher
+from evenflow.transports._base import Transport as Transport
 
 if TYPE_CHECKING:
-    # The names below are served lazily at run time (see __getattr__); type checkers
-    # import them here so that users see the real classes and functions, never Any.
-    from evenflow.transports._device import DeviceTransport
-    from evenflow.transports._gloo import GlooTransport
-    from evenflow.transports._inprocess import (
-        InProcessGroup,
-        InProcessStatistics,
-        InProcessTransport,
-    )
-    from evenflow.transports._local import LocalTransport
-    from evenflow.transports._registry import create_transport, register_transport
-    from evenflow.transports._sized import Prepared, prepare
-    from evenflow.transports._wire import (
-        DEFAULT_MAX_FRAME_BYTES,
-        decode,
-        decode_many,
-        encode,
-        encode_many,
-    )
+    from evenflow.transports._device import DeviceTransport as DeviceTransport
+    from evenflow.transports._gloo import GlooTransport as GlooTransport
+    from evenflow.transports._inprocess import InProcessGroup as InProcessGroup
+    from evenflow.transports._inprocess import InProcessStatistics as InProcessStatistics
+    from evenflow.transports._inprocess import InProcessTransport as InProcessTransport
+    from evenflow.transports._local import LocalTransport as LocalTransport
+    from evenflow.transports._registry import create_transport as create_transport
+    from evenflow.transports._registry import register_transport as register_transport
+    from evenflow.transports._sized import Prepared as Prepared
+    from evenflow.transports._sized import prepare as prepare
+    from evenflow.transports._wire import DEFAULT_MAX_FRAME_BYTES as DEFAULT_MAX_FRAME_BYTES
+    from evenflow.transports._wire import decode as decode
+    from evenflow.transports._wire import decode_many as decode_many
+    from evenflow.transports._wire import encode as encode
+    from evenflow.transports._wire import encode_many as encode_many
 
-_LAZY: dict[str, str] = {
-    "encode": "evenflow.transports._wire",
-    "encode_many": "evenflow.transports._wire",
-    "decode": "evenflow.transports._wire",
-    "decode_many": "evenflow.transports._wire",
-    "InProcessStatistics": "evenflow.transports._inprocess",
-    "DEFAULT_MAX_FRAME_BYTES": "evenflow.transports._wire",
-    "LocalTransport": "evenflow.transports._local",
-    "InProcessGroup": "evenflow.transports._inprocess",
-    "InProcessTransport": "evenflow.transports._inprocess",
-    "GlooTransport": "evenflow.transports._gloo",
-    "DeviceTransport": "evenflow.transports._device",
-    "Prepared": "evenflow.transports._sized",
-    "prepare": "evenflow.transports._sized",
-    "create_transport": "evenflow.transports._registry",
-    "register_transport": "evenflow.transports._registry",
-}
-
-__all__ = [
-    "DEFAULT_MAX_FRAME_BYTES",
-    "DeviceTransport",
-    "GlooTransport",
-    "InProcessGroup",
-    "InProcessStatistics",
-    "InProcessTransport",
-    "InlineLauncher",
-    "Launcher",
-    "LocalTransport",
-    "Prepared",
-    "Transport",
-    "create_transport",
-    "decode",
-    "decode_many",
-    "encode",
-    "encode_many",
-    "errors",
-    "prepare",
-    "register_transport",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'evenflow.transports' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+_face.serve(__name__)

@@ -18,80 +18,49 @@ transports' own business.
 
 **What is stable.** Within one version of the project, every name below, with the contract
 its own docstring states. Across versions, nothing: a change here updates the engine in the
-same commit. Moving a name between private modules changes only the table below.
+same commit. Moving a name between private modules changes only its line below.
 
 Names are served lazily, as in the public face, so importing this module loads only the
 private modules whose names the importer asks for (the model-parallel broadcast, say, only
-where the engine builds one).
+where the engine builds one). Each is declared once, as ``from module import name as name``
+(see ``transports/_face.py``, whose ``serve`` the engine's own faces use from here). Unlike the
+public faces, this one leaves its classes' ``__module__`` alone: these names are not documented
+under this module's path.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from evenflow.transports import _face
+
+# The machinery of the public faces, for the engine's own (evenflow.engine, .planning).
+from evenflow.transports._face import serve as serve
 
 if TYPE_CHECKING:
-    # Served lazily at run time (see __getattr__); type checkers see the real objects.
-    from evenflow.transports._broadcast import BatchBroadcaster
-    from evenflow.transports._channel import Channel
-    from evenflow.transports._protocol import (
-        ROLL_CALL_SECONDS,
-        Protocol,
-        destroy_group,
-        new_group,
-        pack_outgoing,
-    )
-    from evenflow.transports._remote import (
-        NOTE_PREFIX,
-        RemoteErrorInfo,
-        one_line,
-        traceback_note,
-    )
-    from evenflow.transports._threads import ThreadInterrupt, WorkerThreads, unwrap
-
-_LAZY: dict[str, str] = {
     # The model-parallel batch broadcast (one rank reads, its group receives the batch).
-    "BatchBroadcaster": "evenflow.transports._broadcast",
+    from evenflow.transports._broadcast import BatchBroadcaster as BatchBroadcaster
+
+    # isort: split
     # The one byte protocol and its process groups.
-    "Channel": "evenflow.transports._channel",
-    "Protocol": "evenflow.transports._protocol",
-    "ROLL_CALL_SECONDS": "evenflow.transports._protocol",
-    "destroy_group": "evenflow.transports._protocol",
-    "new_group": "evenflow.transports._protocol",
-    "pack_outgoing": "evenflow.transports._protocol",
+    from evenflow.transports._channel import Channel as Channel
+    from evenflow.transports._protocol import ROLL_CALL_SECONDS as ROLL_CALL_SECONDS
+    from evenflow.transports._protocol import Protocol as Protocol
+    from evenflow.transports._protocol import destroy_group as destroy_group
+    from evenflow.transports._protocol import new_group as new_group
+    from evenflow.transports._protocol import pack_outgoing as pack_outgoing
+
+    # isort: split
     # Errors as plain data across process boundaries.
-    "NOTE_PREFIX": "evenflow.transports._remote",
-    "RemoteErrorInfo": "evenflow.transports._remote",
-    "one_line": "evenflow.transports._remote",
-    "traceback_note": "evenflow.transports._remote",
+    from evenflow.transports._remote import NOTE_PREFIX as NOTE_PREFIX
+    from evenflow.transports._remote import RemoteErrorInfo as RemoteErrorInfo
+    from evenflow.transports._remote import one_line as one_line
+    from evenflow.transports._remote import traceback_note as traceback_note
+
+    # isort: split
     # Threads that own blocking calls.
-    "ThreadInterrupt": "evenflow.transports._threads",
-    "WorkerThreads": "evenflow.transports._threads",
-    "unwrap": "evenflow.transports._threads",
-}
+    from evenflow.transports._threads import ThreadInterrupt as ThreadInterrupt
+    from evenflow.transports._threads import WorkerThreads as WorkerThreads
+    from evenflow.transports._threads import unwrap as unwrap
 
-__all__ = [
-    "BatchBroadcaster",
-    "Channel",
-    "NOTE_PREFIX",
-    "Protocol",
-    "ROLL_CALL_SECONDS",
-    "RemoteErrorInfo",
-    "ThreadInterrupt",
-    "WorkerThreads",
-    "destroy_group",
-    "new_group",
-    "one_line",
-    "pack_outgoing",
-    "traceback_note",
-    "unwrap",
-]
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'evenflow.transports.internal' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+_face.serve(__name__, public_module=False)

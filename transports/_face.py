@@ -1,13 +1,14 @@
 """The machinery behind a public face: one declaration per public name, served lazily.
 
-A public module (``evenflow.engine``, ``evenflow.engine.planning``) declares each of its names
-once, as a re-export in the form type checkers already read as "public" (PEP 484's redundant
-alias): ``from evenflow.engine._config import LoaderConfig as LoaderConfig``. Names the module
-must import at once are written at top level; names served lazily are written under
-``if TYPE_CHECKING:``, so type checkers see the real objects while a run imports their
-modules only on first access. :func:`serve` reads those statements back from the module's
-source and derives everything else from them: ``__all__``, ``__getattr__`` and ``__dir__``.
-There is no second list to forget to update.
+A public module (``evenflow.transports``, ``evenflow.engine``, ``evenflow.engine.planning``)
+declares each of its names once, as a re-export in the form type checkers already read as
+"public" (PEP 484's redundant alias): ``from evenflow.engine._config import LoaderConfig as
+LoaderConfig``. Names the module must import at once are written at top level; names served
+lazily are written under ``if TYPE_CHECKING:``, so type checkers see the real objects while a
+run imports their modules only on first access. :func:`serve` reads those statements back from
+the module's source and derives everything else from them: ``__all__``, ``__getattr__`` and
+``__dir__``. There is no second list to forget to update. It lives here, in the lower of the
+two packages, because the engine may import the transports and never the reverse.
 
 A served class or function reports its public home in ``__module__`` (as httpx does), so reprs,
 pickles and generated documentation name ``evenflow.engine.BalancedLoader`` rather than the
@@ -89,10 +90,10 @@ def _freeze_annotations(cls: type) -> None:
     cls.__annotations__ = {name: hints.get(name, value) for name, value in own.items()}
 
 
-def stamp(value: object, public: str, package: str) -> None:
+def stamp(value: object, public: str | None, package: str) -> None:
     """Report ``public`` as the home of ``value`` if it is a class or function that one of
     ``package``'s private modules defines (re-exported foreign objects are left alone)."""
-    if not isinstance(value, (type, types.FunctionType)):
+    if public is None or not isinstance(value, (type, types.FunctionType)):
         return
     home = getattr(value, "__module__", "")
     if not home.startswith(f"{package}._"):
@@ -110,13 +111,15 @@ def _missing(name: str, attr: str, moved_to: tuple[str, ...]) -> str:
     return f"module {name!r} has no attribute {attr!r}"
 
 
-def serve(name: str, *, moved_to: tuple[str, ...] = ()) -> None:
-    """Make the module ``name`` a public face: call it last, as ``serve(__name__)``.
+def serve(name: str, *, moved_to: tuple[str, ...] = (), public_module: bool = True) -> None:
+    """Make the module ``name`` a face: call it last, as ``serve(__name__)``.
 
     Sets the module's ``__all__`` (its declared names, sorted), ``__getattr__`` (imports a
     lazy name's module on first access and caches the object in the module) and ``__dir__``.
     A name this face does not serve but one of the faces in ``moved_to`` does is refused with
     an error that names its home (names moved between faces are not aliased).
+    ``public_module=False`` (the engine's internal face of the transports) leaves the served
+    objects' ``__module__`` as it is.
     """
     module = sys.modules[name]
     spec = module.__spec__
@@ -131,15 +134,16 @@ def serve(name: str, *, moved_to: tuple[str, ...] = ()) -> None:
     eager, lazy = declared_names(source)
     package = ".".join(name.split(".")[:2])
     namespace = vars(module)
+    home_of = name if public_module else None
     for attr in eager:
-        stamp(namespace[attr], name, package)
+        stamp(namespace[attr], home_of, package)
 
     def __getattr__(attr: str) -> Any:
         home = lazy.get(attr)
         if home is None:
             raise AttributeError(_missing(name, attr, moved_to))
         value = getattr(importlib.import_module(home), attr)
-        stamp(value, name, package)
+        stamp(value, home_of, package)
         namespace[attr] = value
         return value
 
