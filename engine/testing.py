@@ -42,13 +42,13 @@ def check_step_source(
     ``make_source`` must build an equivalent, unread source on every call (same data, seed
     and settings; a source bound to a loader's ranks only if the loader would bind it the same
     way); ``set_epoch(epoch)`` is called where the source has it. The check reads epoch
-    ``epoch`` once uninterrupted, then for each ``k`` in
-    ``positions`` (default: ``0``, ``1``, the middle and the last step): builds a source,
-    reads ``k`` steps, takes ``state_dict()``, passes the state through the encoding a
-    loader checkpoint uses (``evenflow.transports.encode``/``decode``: the state must be
-    plain data), loads it into a fresh source and asserts that it yields exactly the
-    uninterrupted run's steps after ``k``. A state taken after the last step (before and
-    after the source reported its end) must restore to a source that yields nothing.
+    ``epoch`` once uninterrupted, then for each ``k`` in ``positions`` (default: ``0``, ``1``,
+    the middle and the last step): builds a source, reads ``k`` steps, takes
+    ``state_dict()``, passes the state through the encoding a loader checkpoint uses
+    (``evenflow.transports.encode``/``decode``: the state must be plain data), loads it into a
+    fresh source and asserts that it yields exactly the uninterrupted run's steps after ``k``.
+    A state taken after the last step (before and after the source reported its end) must
+    restore to a source that yields nothing.
 
     Steps are compared with ``same(step_a, step_b)`` (default: deep equality of the bins,
     NumPy arrays and torch tensors compared by dtype, shape and value). A source's transform
@@ -64,12 +64,13 @@ def check_step_source(
             "at least one step so that resuming can be checked."
         )
     wanted = sorted({0, 1, total // 2, total} if positions is None else set(positions))
+    outside = [k for k in wanted if not 0 <= k <= total]
+    if outside:
+        raise ValueError(
+            f"positions holds {outside[0]}, but epoch {epoch} has {total} steps; pass "
+            f"positions between 0 and {total}."
+        )
     for k in wanted:
-        if not 0 <= k <= total:
-            raise ValueError(
-                f"positions holds {k}, but epoch {epoch} has {total} steps; pass positions "
-                f"between 0 and {total}."
-            )
         states = _states_at(make_source, epoch, k, run, equal)
         for label, state in states:
             rest = _read(make_source, epoch, state, label)

@@ -38,7 +38,7 @@ import types
 import typing
 from typing import Any
 
-__all__ = ["serve"]
+__all__ = ["declared_names", "serve"]
 
 
 def _is_type_checking(test: ast.expr) -> bool:
