@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     from evenflow.engine._pipeline.pass_report import UnevenEnd as UnevenEnd
     from evenflow.engine._pipeline.stats import StepStats as StepStats
     from evenflow.engine._sources._common import SourceReport as SourceReport
+    from evenflow.engine._sources.transform_pool import StepTransform as StepTransform
+    from evenflow.engine._sources.transform_pool import TransformReport as TransformReport
     from evenflow.engine._tracing import NullTracer as NullTracer
     from evenflow.engine._tracing import Tracer as Tracer
     from evenflow.engine._tracing import merge_chrome_traces as merge_chrome_traces

@@ -55,6 +55,8 @@ OBSERVERS = {
     "PassSummary",
     "RankUnread",
     "SourceReport",
+    "StepTransform",
+    "TransformReport",
     "StepStats",
     "Tracer",
     "UnevenEnd",
