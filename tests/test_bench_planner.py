@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from evenflow.engine._tools.bench import planner as _bench_planner
-from evenflow.engine._tools.bench.planner import _run_exact, _solve_exact, main
+from evenflow.engine._tools.bench import planner_report
+from evenflow.engine._tools.bench.planner import main
+from evenflow.engine._tools.bench.planner_exact import _run_exact, _solve_exact
 
 try:
     import scipy.optimize  # noqa: F401
@@ -35,7 +37,7 @@ def test_quick_json_run_reports_every_field(capsys: pytest.CaptureFixture[str]) 
     doc = json.loads(out)
     assert doc["benchmark"] == "planner"
     assert doc["ok"] is True
-    assert doc["config"]["core"] == _bench_planner._core_name()
+    assert doc["config"]["core"] == planner_report._core_name()
     checks = doc["checks"]
     assert checks["violations"] == 0
     assert checks["num_steps"] == len(doc["cases"]) * 2
@@ -204,7 +206,7 @@ def test_exact_solver_pairs_single_sample_bins() -> None:
 def test_core_name_says_which_implementation_is_timed() -> None:
     from evenflow.engine._planning import native
 
-    assert _bench_planner._core_name() == f"compiled (core version {native.CORE_VERSION})"
+    assert planner_report._core_name() == f"compiled (core version {native.CORE_VERSION})"
 
 
 def test_baseline_runs_the_same_steps_in_another_interpreter(
