@@ -78,13 +78,29 @@ def lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
     return None if bins is None else FlatLayout.of_bins(bins)
 
 
-def _lpt(problem: BalanceProblem, order_array: np.ndarray) -> list[list[int]] | None:
-    """The greedy given the placement order: lists of sample indices, or None."""
+def sample_lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
+    """The greedy sample LPT (``lpt.sample_lpt_layout``): phase 2's rule for every sample,
+    from empty bins; None on a dead end or when a bin ends empty."""
+    if problem.num_samples < problem.num_bins:
+        return None
+    order = np.lexsort((-problem.tokens, -problem.costs))
+    bins = _lpt(problem, order, open_first=False)
+    if bins is None or not all(bins):
+        return None
+    return FlatLayout.of_bins(bins)
+
+
+def _lpt(
+    problem: BalanceProblem, order_array: np.ndarray, *, open_first: bool = True
+) -> list[list[int]] | None:
+    """The greedy given the placement order: lists of sample indices, or None. Without
+    ``open_first`` phase 1 places nothing and every sample goes by phase 2's rule."""
     num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
     num_bins = num_ranks * per_rank
     seq_len = problem.constraints.seq_len
+    num_opening = num_bins if open_first else 0
     # Phase 1 reads its own samples only; phase 2 takes its own lists.
-    opening = order_array[:num_bins]
+    opening = order_array[:num_opening]
     order: list[int] = opening.tolist()
     costs = dict(zip(order, problem.costs[opening].tolist(), strict=True))
     tokens = dict(zip(order, problem.tokens[opening].tolist(), strict=True))
@@ -104,7 +120,7 @@ def _lpt(problem: BalanceProblem, order_array: np.ndarray) -> list[list[int]] | 
     heap: list[tuple[float, int, int]] = [(0.0, 0, r) for r in range(num_ranks)]
     opened = [0] * num_ranks
     full: list[tuple[float, int, int]] = []
-    for i in order[:num_bins]:
+    for i in order[:num_opening]:
         load, rank_tok, r = heapq.heappop(heap)
         p = opened[r]
         opened[r] = p + 1
@@ -128,7 +144,7 @@ def _lpt(problem: BalanceProblem, order_array: np.ndarray) -> list[list[int]] | 
     # up, so this never hides a feasible rank, and with costs that grow with length (tokens
     # then only shrink along the order) each rank is parked and released a bounded number of
     # times instead of being re-examined for every sample.
-    rest_index = order_array[num_bins:]
+    rest_index = order_array[num_opening:]
     if rest_index.size == 0:
         return bins
     if int(problem.tokens[rest_index].max()) > seq_len:
@@ -369,6 +385,9 @@ class OracleRefine(RefineAlgorithm):
 
     def _greedy(self, problem: BalanceProblem) -> FlatLayout | None:
         return lpt_layout(problem)
+
+    def _sample_greedy(self, problem: BalanceProblem) -> FlatLayout | None:
+        return sample_lpt_layout(problem)
 
     def _search(
         self,

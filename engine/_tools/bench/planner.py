@@ -49,6 +49,7 @@ from evenflow.engine._tools.bench.planner_cases import (
     _targets_json,
 )
 from evenflow.engine._tools.bench.planner_exact import _EXACT_SINGLE_BIN, _run_exact
+from evenflow.engine._tools.bench.planner_heldout import print_heldout, run_heldout
 from evenflow.engine._tools.bench.planner_lockstep import print_lockstep, run_lockstep
 from evenflow.engine._tools.bench.planner_report import _core_name, _print_tables
 from evenflow.engine._tools.bench.planner_window import WINDOW_MIXES, print_window, run_window
@@ -114,6 +115,12 @@ def add_objective_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="W",
         help="instead of the default tables: plan windows of W steps (e.g. 1 2 4 8) on the "
         f"mixes {sorted(WINDOW_MIXES)} at 8 and 64 ranks x 1, 2, 4 bins",
+    )
+    parser.add_argument(
+        "--heldout",
+        action="store_true",
+        help="instead of the default tables: every peer against default on held-out mixes and "
+        "seeds (8 x 1, 8 x 4, 64 x 2, nearly full 256 x 2); exit 1 when a peer beats default",
     )
     parser.add_argument(
         "--mixes", nargs="+", choices=sorted(WINDOW_MIXES), help="--window: the length mixes"
@@ -222,6 +229,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
         return _window_main(args, prog)
     if args.lockstep:
         return _lockstep_main(args, prog)
+    if args.heldout:
+        return _heldout_main(args, prog)
     planner_cls = _planner.Planner  # looked up per run, so a test may substitute one
     cases, skipped = _sweep(args)
     started = time.perf_counter()
@@ -294,6 +303,18 @@ def _window_main(args: argparse.Namespace, prog: str) -> int:
         print(json.dumps(doc, indent=1))
     else:
         print_window(doc)
+        print(f"wall time {doc['wall_s']:.1f} s")
+    return targets_status(doc["targets"], report_only=args.report_only, prog=prog)
+
+
+def _heldout_main(args: argparse.Namespace, prog: str) -> int:
+    doc = run_heldout(
+        seed=args.seed, steps=args.steps, quick=args.quick, planner_cls=_planner.Planner
+    )
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print_heldout(doc)
         print(f"wall time {doc['wall_s']:.1f} s")
     return targets_status(doc["targets"], report_only=args.report_only, prog=prog)
 

@@ -2,7 +2,8 @@
 
 A case is one (distribution, source packer, ranks, bins per rank, cost ``a*L + L^2``) of the
 sweep; :func:`_plan_case` plans its steps (made by :func:`~evenflow.engine.workloads.make_step`)
-with every algorithm of :data:`ALGORITHMS` through the real planner and records, per step, the
+with every algorithm of :data:`ALGORITHMS` and every peer of :data:`PEERS` (``planner_peers``)
+through the real planner and records, per step, the
 max rank cost against the lower bound, the gap to the proven bound, movement, the gate's
 rejections, dead ends and planning time (wall clock and CPU). The ``*_json`` functions turn
 the records into the benchmark's document.
@@ -20,11 +21,14 @@ import numpy as np
 from evenflow.engine._model import SampleMetadata
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.registry import resolve_algorithm
+from evenflow.engine._tools.bench.planner_peers import PEERS as _PEER_CLASSES
 from evenflow.engine.workloads import make_step
 
-__all__ = ["ALGORITHMS"]
+__all__ = ["ALGORITHMS", "PEERS"]
 
 ALGORITHMS = ("lpt", "default")
+# Other systems' plans, reported beside lpt and the source; default must beat them all.
+PEERS = tuple(_PEER_CLASSES)
 _RANKS = (8, 64, 1024)
 _BINS = (1, 4, 16)
 _LINEAR = (0.0, 4096.0, 24576.0)
@@ -88,10 +92,12 @@ class _Case:
     source_ratios: list[float] = field(default_factory=list)
     source_objectives: list[float] = field(default_factory=list)
     algos: dict[str, _AlgoRecord] = field(
-        default_factory=lambda: {name: _AlgoRecord() for name in ALGORITHMS}
+        default_factory=lambda: {name: _AlgoRecord() for name in (*ALGORITHMS, *PEERS)}
     )
     violations: int = 0
     reductions_vs_lpt: list[float] = field(default_factory=list)
+    # Per peer: the steps on which it planned a lower makespan than default.
+    peer_wins: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PEERS, 0))
     outlier_bound: int = 0
 
 
@@ -118,23 +124,31 @@ class _CountingAlgorithm:
     """
 
     def __init__(self, name: str) -> None:
-        self._inner = resolve_algorithm(name)
+        self._inner: Any = (
+            _PEER_CLASSES[name]() if name in _PEER_CLASSES else resolve_algorithm(name)
+        )
         self.name: str = self._inner.name
         self.algorithm_id: str = self._inner.algorithm_id
         self.dead_ends = 0
 
     def assign(self, problem: Any) -> Sequence[Sequence[int]] | None:
-        bins = self._inner.assign(problem)
+        bins: Sequence[Sequence[int]] | None = self._inner.assign(problem)
         self.dead_ends += bins is None
         return bins
 
 
 def _planners(
-    planner_cls: Any, num_ranks: int, bins_per_rank: int, seq_len: int, linear: float
+    planner_cls: Any,
+    num_ranks: int,
+    bins_per_rank: int,
+    seq_len: int,
+    linear: float,
+    *,
+    names: Sequence[str] = ALGORITHMS,
 ) -> dict[str, tuple[Any, _CountingAlgorithm]]:
     cost = _cost_model(linear)
     out = {}
-    for name in ALGORITHMS:
+    for name in names:
         algorithm = _CountingAlgorithm(name)
         planner = planner_cls(
             num_ranks=num_ranks,
@@ -148,7 +162,14 @@ def _planners(
 
 
 def _plan_case(case: _Case, seed: int, planner_cls: Any) -> None:
-    planners = _planners(planner_cls, case.num_ranks, case.bins_per_rank, case.seq_len, case.linear)
+    planners = _planners(
+        planner_cls,
+        case.num_ranks,
+        case.bins_per_rank,
+        case.seq_len,
+        case.linear,
+        names=(*ALGORITHMS, *PEERS),
+    )
     for step in range(case.num_steps):
         samples, reference_bins = make_step(
             case.distribution,
@@ -177,8 +198,7 @@ def _plan_step(
     case.num_samples.append(len(samples))
     achieved: dict[str, float] = {}
     source = 0.0
-    for name in ALGORITHMS:
-        planner, algorithm = planners[name]
+    for name, (planner, algorithm) in planners.items():
         dead_ends = algorithm.dead_ends
         start, cpu_start = time.perf_counter(), time.process_time()
         plan = planner.plan(samples, reference_bins, step)
@@ -205,9 +225,12 @@ def _plan_step(
     case.outlier_bound += bound_flags.outlier_bound
     case.source_ratios.append(source / lower_bound)
     case.source_objectives.append(source)
-    best_other = min(source, achieved["lpt"])
+    best_other = min(source, *(v for k, v in achieved.items() if k != "default"))
     if achieved["default"] > best_other * (1 + _TOLERANCE):
         case.violations += 1
+    for name in PEERS:
+        if name in achieved:
+            case.peer_wins[name] += achieved[name] < achieved["default"] * (1 - _TOLERANCE)
     case.reductions_vs_lpt.append((achieved["lpt"] - achieved["default"]) / achieved["lpt"])
 
 
@@ -238,6 +261,7 @@ def _case_json(case: _Case) -> dict[str, Any]:
         "mean_samples": float(np.mean(case.num_samples)),
         "source_ratio": _quantiles(case.source_ratios, "p50", "p90", "max"),
         "violations": case.violations,
+        "peer_wins": dict(case.peer_wins),
         "outlier_bound_steps": case.outlier_bound,
         **{
             name: {
@@ -305,4 +329,5 @@ def _checks_json(cases: list[_Case]) -> dict[str, Any]:
             for name in ALGORITHMS
         },
         "firstfit_mean_reduction_vs_lpt": float(np.mean(firstfit)) if firstfit else None,
+        "peer_wins": {name: sum(c.peer_wins[name] for c in cases) for name in PEERS},
     }

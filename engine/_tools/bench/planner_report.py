@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from evenflow.engine._planning import native
-from evenflow.engine._tools.bench.planner_cases import ALGORITHMS, _Case, _quantiles
+from evenflow.engine._tools.bench.planner_cases import ALGORITHMS, PEERS, _Case, _quantiles
 
 __all__ = ["_core_name", "_print_tables"]
 
@@ -58,6 +58,25 @@ def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
             f"{_fmt(source, 'p50', 'p90', 'max'):<16}{cols[0]:<16}{cols[1]:<16}"
             f"{f'{lpt_rej}/{lpt_fb}':>11}{def_rej:>9}"
         )
+    print()
+    print(
+        "peers: max rank cost / lower bound, p50/p90/max over steps; failed: the peer found no "
+        "layout and kept the source"
+    )
+    header = f"{'distribution':<14}{'packer':<10}{'bins':>5}{'plans':>7}  " + "".join(
+        f"{name:<16}{'failed':>7}  " for name in PEERS
+    )
+    print(header)
+    print("-" * len(header))
+    for (dist, packer, nbins), group in sorted(groups.items()):
+        num_steps = sum(len(c.source_ratios) for c in group)
+        row = f"{dist:<14}{packer:<10}{nbins:>5}{num_steps:>7}  "
+        for name in PEERS:
+            pooled = [r for c in group for r in c.algos[name].ratios]
+            failed = sum(c.algos[name].fallbacks for c in group)
+            row += f"{_fmt(_quantiles(pooled, 'p50', 'p90', 'max'), 'p50', 'p90', 'max'):<16}"
+            row += f"{failed:>7}  "
+        print(row)
     print()
     print(
         "samples moved to another rank (fraction of the step) and gap to the proven lower "
@@ -141,8 +160,13 @@ def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
     checks = doc["checks"]
     better = checks["bfd_strictly_better_fraction"]
     print(
-        f"invariant default <= min(source, lpt): {checks['violations']} violations "
-        f"in {checks['num_steps']} planned steps (each cost counted apart)"
+        f"invariant default <= min(source, lpt, {', '.join(PEERS)}): {checks['violations']} "
+        f"violations in {checks['num_steps']} planned steps (each cost counted apart)"
+    )
+    wins = checks["peer_wins"]
+    print(
+        "steps where a peer plans a lower max cost than default: "
+        + ", ".join(f"{name} {wins[name]}" for name in PEERS)
     )
     if better["default"] is not None:
         print(
