@@ -30,7 +30,7 @@
 #include "_search.h"
 #include "_vec.h"
 
-#define CORE_VERSION 10
+#define CORE_VERSION 11
 
 typedef struct {
     int64_t *ids;
@@ -170,7 +170,7 @@ typedef struct {
 static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
                       const int64_t *tokens, const double *costs, const budgets_t *bud,
                       int64_t *out, Py_ssize_t ranks, Py_ssize_t per, Py_ssize_t m,
-                      int64_t seq_len, int64_t *ids) {
+                      int64_t seq_len, int64_t *ids, int lowest_rank) {
     heap_t heap = {ids, 0};
     heap_t park = {ids + ranks, 0};
     int64_t *room = ids + 2 * ranks;
@@ -213,6 +213,7 @@ static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
                 level = load[q];
                 chosen = q;
                 chosen_slot = qs;
+                if (lowest_rank) break; /* ties go to the lowest rank: the first popped */
                 continue;
             }
             /* Ranks tied on this load: the smallest (room left, rank tokens, rank) wins.
@@ -253,8 +254,9 @@ static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
  * limits the packing budgets (empty for none). The layout goes to (out_flat, out_sizes),
  * bin by bin, each bin's samples in placement order. Returns False on a dead end.
  * open_first (default true): the first num_ranks * per_rank samples each open a bin (phase
- * 1); false: every sample is placed by phase 2's rule from empty bins (the greedy sample LPT
- * start, sample_lpt_layout in lpt.py), and a bin left empty is a dead end too.
+ * 1); false: every sample goes to the least-loaded rank with a feasible bin, the lowest rank
+ * on ties, into its best bin as in phase 2 (the greedy sample LPT start, sample_lpt_layout
+ * in lpt.py), and a bin left empty is a dead end too.
  */
 static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer cost_b, tok_b, bud_b, lim_b, order_b, of_b, os_b;
@@ -354,8 +356,24 @@ static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
                          sizeof(double) * (size_t)nbud);
         if (tokens[i] > seq_len) ok = 0; /* an oversized sample needs an empty bin */
     }
-    if (ok) ok = place_core(load, rtok, fills, rest_tok, rest_cost, &bud, dest, ranks, per, m,
-                            (int64_t)seq_len, scratch);
+    /* Without openers, while every rank placed so far has a positive load, the next sample's
+       least-loaded ranks are the untouched ones: the rule gives it the first bin of the
+       lowest of them. Placed directly, as the rule would, without a heap operation. */
+    Py_ssize_t direct = 0;
+    if (!open_first && nbud == 0) {
+        while (direct < m && direct < ranks && rest_cost[direct] > 0.0 &&
+               rest_tok[direct] <= (int64_t)seq_len) {
+            Py_ssize_t r = direct;
+            fills[r * per] = rest_tok[direct];
+            rtok[r] += rest_tok[direct];
+            load[r] = load[r] + rest_cost[direct];
+            dest[direct] = r * per;
+            direct++;
+        }
+    }
+    if (ok) ok = place_core(load, rtok, fills, rest_tok + direct, rest_cost + direct, &bud,
+                            dest + direct, ranks, per, m - direct, (int64_t)seq_len, scratch,
+                            !open_first);
     if (ok) {
         /* Bin b: its opener, then its phase-2 samples in placement order. */
         for (Py_ssize_t b = 0; b < nb; b++) out_sizes[b] = open_first ? 1 : 0;

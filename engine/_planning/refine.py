@@ -153,7 +153,8 @@ class RefineAlgorithm:
             candidates.append((layout, _score_of(problem, rank_of)))
         late = [k for k, spec in enumerate(specs) if not (tiny or spec.origin)]
         reached = min(score for _, score in candidates)
-        if late and min(scores[k] for k in late) < reached:
+        searched_late = problem.num_samples <= sched.late_search_samples
+        if late and searched_late and min(scores[k] for k in late) < reached:
             # A start that is no origin beat every searched layout: search from it too.
             origin = starts[min(late, key=scores.__getitem__)]
             layout, rank_of = self._phases(problem, origin, budget, sched.search)

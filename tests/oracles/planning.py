@@ -79,28 +79,49 @@ def lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
 
 
 def sample_lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
-    """The greedy sample LPT (``lpt.sample_lpt_layout``): phase 2's rule for every sample,
-    from empty bins; None on a dead end or when a bin ends empty."""
+    """The greedy sample LPT (``lpt.sample_lpt_layout``), as plainly as it can be said: each
+    sample in the reference greedy's order goes to the least-loaded rank (the lowest on ties)
+    that has a bin with room and budget for it, into the fullest such bin (the first on
+    ties). None when a sample fits no bin or a bin ends empty."""
     if problem.num_samples < problem.num_bins:
         return None
-    order = np.lexsort((-problem.tokens, -problem.costs))
-    bins = _lpt(problem, order, open_first=False)
-    if bins is None or not all(bins):
-        return None
-    return FlatLayout.of_bins(bins)
+    ranks, per = problem.num_ranks, problem.bins_per_rank
+    seq_len = problem.constraints.seq_len
+    budgets = list(problem.constraints.budgets.values())
+    rows: list[list[float]] = problem.budget_costs.tolist()
+    load = [0.0] * ranks
+    fill = [[0] * per for _ in range(ranks)]
+    spent = [[[0.0] * len(budgets) for _ in range(per)] for _ in range(ranks)]
+    bins: list[list[int]] = [[] for _ in range(ranks * per)]
+    for i in np.lexsort((-problem.tokens, -problem.costs)).tolist():
+        t, c = int(problem.tokens[i]), float(problem.costs[i])
+        for r in sorted(range(ranks), key=lambda q: (load[q], q)):
+            fits = [
+                b
+                for b in range(per)
+                if fill[r][b] + t <= seq_len
+                and all(spent[r][b][k] + rows[i][k] <= lim for k, lim in enumerate(budgets))
+            ]
+            if fits:
+                b = max(fits, key=lambda x: (fill[r][x], -x))
+                break
+        else:
+            return None
+        bins[r * per + b].append(i)
+        fill[r][b] += t
+        load[r] += c
+        for k in range(len(budgets)):
+            spent[r][b][k] += rows[i][k]
+    return FlatLayout.of_bins(bins) if all(bins) else None
 
 
-def _lpt(
-    problem: BalanceProblem, order_array: np.ndarray, *, open_first: bool = True
-) -> list[list[int]] | None:
-    """The greedy given the placement order: lists of sample indices, or None. Without
-    ``open_first`` phase 1 places nothing and every sample goes by phase 2's rule."""
+def _lpt(problem: BalanceProblem, order_array: np.ndarray) -> list[list[int]] | None:
+    """The greedy given the placement order: lists of sample indices, or None."""
     num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
     num_bins = num_ranks * per_rank
     seq_len = problem.constraints.seq_len
-    num_opening = num_bins if open_first else 0
     # Phase 1 reads its own samples only; phase 2 takes its own lists.
-    opening = order_array[:num_opening]
+    opening = order_array[:num_bins]
     order: list[int] = opening.tolist()
     costs = dict(zip(order, problem.costs[opening].tolist(), strict=True))
     tokens = dict(zip(order, problem.tokens[opening].tolist(), strict=True))
@@ -120,7 +141,7 @@ def _lpt(
     heap: list[tuple[float, int, int]] = [(0.0, 0, r) for r in range(num_ranks)]
     opened = [0] * num_ranks
     full: list[tuple[float, int, int]] = []
-    for i in order[:num_opening]:
+    for i in order[:num_bins]:
         load, rank_tok, r = heapq.heappop(heap)
         p = opened[r]
         opened[r] = p + 1
@@ -144,7 +165,7 @@ def _lpt(
     # up, so this never hides a feasible rank, and with costs that grow with length (tokens
     # then only shrink along the order) each rank is parked and released a bounded number of
     # times instead of being re-examined for every sample.
-    rest_index = order_array[num_opening:]
+    rest_index = order_array[num_bins:]
     if rest_index.size == 0:
         return bins
     if int(problem.tokens[rest_index].max()) > seq_len:

@@ -6,11 +6,11 @@ it would deliver (a failed peer keeps the source layout and counts as a dead end
 
 * ``sample lpt``: a plain greedy over samples. Every sample of the step, costliest first
   (ties: more tokens first, then key order), goes to the least-loaded rank that has room for
-  it in one of its bins, into that rank's fullest bin that still fits (best fit on tokens);
-  ties between ranks go to the one left with less room, then fewer tokens, then the lower
-  rank. It fails when a sample fits no rank, or when a bin ends empty (a rank needs all its
-  bins). Unlike ``lpt`` it does not first give every bin one of the ``R B`` costliest
-  samples, so on nearly full steps it packs where ``lpt`` dead-ends.
+  it in one of its bins (the lower rank on ties), into that rank's fullest bin that still
+  fits (best fit on tokens; the first on ties). It fails when a sample fits no rank, or
+  when a bin ends empty (a rank needs all its bins). Unlike ``lpt`` it does not first give
+  every bin one of the ``R B`` costliest samples, so on nearly full steps it packs where
+  ``lpt`` dead-ends.
 * ``kk bins``: the source bins, whole, split over ranks by Karmarkar-Karp largest
   differencing with ``B`` bins a rank (what verl does with micro-batches); with one bin per
   rank it is the source layout.
@@ -46,7 +46,6 @@ def sample_lpt_bins(problem: BalanceProblem) -> list[list[int]] | None:
     tokens: list[int] = problem.tokens.tolist()
     order = np.lexsort((-problem.tokens, -problem.costs)).tolist()
     load = [0.0] * ranks
-    rank_tokens = [0] * ranks
     fills = [[0] * per for _ in range(ranks)]
     bins: list[list[int]] = [[] for _ in range(ranks * per)]
     heap = [(0.0, r) for r in range(ranks)]
@@ -57,29 +56,18 @@ def sample_lpt_bins(problem: BalanceProblem) -> list[list[int]] | None:
         while parked and -parked[0][0] >= t:
             _, r = heapq.heappop(parked)
             heapq.heappush(heap, (load[r], r))
-        chosen, slot, level = -1, -1, 0.0
-        aside: list[int] = []
-        while heap and (chosen < 0 or heap[0][0] == level):
-            level_q, q = heapq.heappop(heap)
+        chosen, slot = -1, -1
+        while heap:
+            _, q = heapq.heappop(heap)  # least load, then lowest rank
             s = _best_fit(fills[q], limit)
-            if s < 0:
-                heapq.heappush(parked, (-(seq_len - min(fills[q])), q))
-                continue
-            if chosen < 0:
-                chosen, slot, level = q, s, level_q
-                continue
-            left_q, left_c = limit - fills[q][s], limit - fills[chosen][slot]
-            if left_q < left_c or (left_q == left_c and rank_tokens[q] < rank_tokens[chosen]):
-                aside.append(chosen)
+            if s >= 0:
                 chosen, slot = q, s
-            else:
-                aside.append(q)
+                break
+            # No bin of q takes t tokens; bins only fill up, so q waits for a shorter sample.
+            heapq.heappush(parked, (-(seq_len - min(fills[q])), q))
         if chosen < 0:
             return None  # the sample fits no rank
-        for q in aside:
-            heapq.heappush(heap, (load[q], q))
         fills[chosen][slot] += t
-        rank_tokens[chosen] += t
         load[chosen] += costs[i]
         bins[chosen * per + slot].append(i)
         heapq.heappush(heap, (load[chosen], chosen))
