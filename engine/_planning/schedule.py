@@ -98,6 +98,13 @@ MAX_POLISH_ROUNDS = 4
 # ~2-4 ms compiled. A 32k-token bin of 24 samples costs ~0.8 M cells per partner bin. Only
 # with one bin per rank: with several, whole bins move instead.
 SUBSET_CELLS = 1 << 21
+# ... and at most this many a rank: a 32k-token bin's knapsack costs ~1 ms per partner, so a
+# small group spent most of its plan there for little. At 8 x 1 (180 benchmark plans, 3
+# distributions x 2 packers x 3 costs x 10 steps, least CPU of 3 runs) 2^21 cells gave p99
+# 9.0 ms CPU and 2^14 a rank (131k cells) 2.0 ms, max cost / proven bound mean 1.00035 ->
+# 1.00038 (7 steps higher, the most 1.0319 -> 1.0333); 2^12 a rank saved nothing more, 2^16
+# a rank gave p99 3.1 ms. From 128 ranks on the allowance is SUBSET_CELLS as before.
+SUBSET_CELLS_PER_RANK = 1 << 14
 
 # ---------------------------------------------------------------------------- finish
 
@@ -115,7 +122,12 @@ CLOSE = 1.001
 # other layout, so the cap bounds the planning time (~2 ms at 8 x 4) and nothing else. Past
 # ~20,000 samples it would cost more than the rest of the plan and rarely arrive.
 STAY_MAX_SAMPLES = 20_000
-STAY_ATTEMPTS = 24
+# STAY_ATTEMPTS was 24; 16 took the 8 x 4 p99 from 4.8 to 3.95 ms CPU (108 plans, least CPU
+# of 3 runs; 5.2 -> 3.7 in a rerun) at the same max cost / bound (mean 1.00689 -> 1.00688, 16
+# steps higher and 11 lower) and moved fraction (mean 0.493 both); at 64 x 4 (36 plans) the
+# moved fraction's mean went 0.493 -> 0.499 and its p50 0.426 -> 0.468. The 8 x 4 tail is
+# sft's steps (~100 samples a rank), where this search was ~2 of a ~4.5 ms plan.
+STAY_ATTEMPTS = 16
 STAY_SAMPLES_PER_ATTEMPT = 64
 # The first search from the source gets one attempt more per two ranks (each attempt works
 # one rank: at 64 x 4, sft first-fit steps then reach the best score more often, median
@@ -214,8 +226,11 @@ def polish_rounds(problem: BalanceProblem) -> int:
 
 
 def knapsack_cells(problem: BalanceProblem) -> int:
-    """The knapsack allowance of a plan: SUBSET_CELLS with one bin per rank, else none."""
-    return SUBSET_CELLS if problem.bins_per_rank == 1 else 0
+    """The knapsack allowance of a plan with one bin per rank: SUBSET_CELLS_PER_RANK a rank,
+    at most SUBSET_CELLS; none with several bins per rank."""
+    if problem.bins_per_rank != 1:
+        return 0
+    return min(SUBSET_CELLS, SUBSET_CELLS_PER_RANK * problem.num_ranks)
 
 
 def stays_from_source(problem: BalanceProblem) -> bool:
