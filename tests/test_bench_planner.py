@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from evenflow.engine._tools.bench import planner as _bench_planner
-from evenflow.engine._tools.bench.planner import _run_exact, _solve_exact, main
+from evenflow.engine._tools.bench import planner_report
+from evenflow.engine._tools.bench.planner import main
+from evenflow.engine._tools.bench.planner_exact import _run_exact, _solve_exact
 
 try:
     import scipy.optimize  # noqa: F401
@@ -35,7 +37,7 @@ def test_quick_json_run_reports_every_field(capsys: pytest.CaptureFixture[str]) 
     doc = json.loads(out)
     assert doc["benchmark"] == "planner"
     assert doc["ok"] is True
-    assert doc["config"]["core"] == _bench_planner._core_name()
+    assert doc["config"]["core"] == planner_report._core_name()
     checks = doc["checks"]
     assert checks["violations"] == 0
     assert checks["num_steps"] == len(doc["cases"]) * 2
@@ -65,6 +67,14 @@ def test_quick_json_run_reports_every_field(capsys: pytest.CaptureFixture[str]) 
             assert 0.0 <= record["moved_tokens"]["p50"] <= 1.0
             assert record["gap"]["p50"] >= 0.0
         assert case["default"]["ratio"]["max"] <= case["source_ratio"]["max"] * (1 + 1e-9)
+    assert checks["peer_wins"] == {"sample lpt": 0, "kk bins": 0}
+    for case in doc["cases"]:
+        assert case["peer_wins"] == {"sample lpt": 0, "kk bins": 0}
+        for name in ("sample lpt", "kk bins"):
+            assert case[name]["ratio"]["p50"] >= 1 - 1e-9
+            assert case["default"]["ratio"]["max"] <= case[name]["ratio"]["max"] * (1 + 1e-9)
+        if case["bins_per_rank"] == 1:  # kk over one bin a rank is the source layout
+            assert case["kk bins"]["ratio"] == case["source_ratio"]
     targets = doc["timing_targets"]
     assert [(t["num_ranks"], t["statistic"]) for t in targets] == [(8, "p99"), (1024, "p50")]
     assert targets[0]["status"] in ("PASS", "MISS")
@@ -81,7 +91,8 @@ def test_table_output_names_checks_and_targets(capsys: pytest.CaptureFixture[str
         capsys, ["--quick", "--bins", "2", "--distributions", "sft", "--exact-instances", "0"]
     )
     assert code == 0
-    assert "invariant default <= min(source, lpt): 0 violations" in out
+    assert "invariant default <= min(source, lpt, sample lpt, kk bins): 0 violations" in out
+    assert "steps where a peer plans a lower max cost than default: sample lpt 0, kk bins 0" in out
     assert "target p99 <= 5 ms at 8 ranks x 4 bins" in out
     assert "exact optimum: skipped" in out
     assert "sft" in out
@@ -204,7 +215,7 @@ def test_exact_solver_pairs_single_sample_bins() -> None:
 def test_core_name_says_which_implementation_is_timed() -> None:
     from evenflow.engine._planning import native
 
-    assert _bench_planner._core_name() == f"compiled (core version {native.CORE_VERSION})"
+    assert planner_report._core_name() == f"compiled (core version {native.CORE_VERSION})"
 
 
 def test_baseline_runs_the_same_steps_in_another_interpreter(
@@ -233,3 +244,47 @@ def test_a_baseline_that_cannot_run_is_a_usage_error(capsys: pytest.CaptureFixtu
     code, _, err = _run(capsys, [*argv, "--exact-instances", "0", "--baseline", "/nonexistent/py"])
     assert code == 2
     assert "--baseline '/nonexistent/py'" in err
+
+
+def test_heldout_sweep_reports_every_peer_and_its_wins(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _run(capsys, ["--heldout", "--quick", "--json"])
+    doc = json.loads(out)
+    assert code == 0, doc["peer_wins"]
+    assert doc["benchmark"] == "planner-heldout"
+    assert doc["num_steps"] == sum(g["steps"] for g in doc["groups"]) > 0
+    assert {(g["num_ranks"], g["bins_per_rank"]) for g in doc["groups"]} == {(8, 1), (64, 2)}
+    names = {"source", "lpt", "sample lpt", "kk bins", "default"}
+    assert set(doc["pooled"]) == names
+    for q in doc["pooled"].values():
+        # Ratios to a proven lower bound: never below 1.
+        assert 1 - 1e-9 <= q["p50"] <= q["p90"] <= q["p99"] <= q["max"]
+    assert doc["peer_wins"] == dict.fromkeys(("source", "lpt", "sample lpt", "kk bins"), 0)
+    assert doc["steps_any_peer_wins"] == 0
+    assert doc["targets"][0]["status"] == "PASS"
+    code, out, _ = _run(capsys, ["--heldout", "--quick"])
+    assert code == 0
+    assert "any of them: 0 of" in out
+
+
+def test_a_heldout_step_a_peer_wins_is_a_missed_target(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from evenflow.engine._planning import planner as _planner
+
+    real = _planner.Planner
+
+    class WorseDefault(real):  # type: ignore[misc, valid-type]
+        def plan(self, *args: Any) -> Any:
+            plan = super().plan(*args)
+            if self.algorithm.name != "refine":
+                return plan
+            return dataclasses.replace(plan, rank_costs=tuple(c * 2 + 1 for c in plan.rank_costs))
+
+    monkeypatch.setattr(_planner, "Planner", WorseDefault)
+    code, out, err = _run(capsys, ["--heldout", "--quick", "--steps", "1", "--json"])
+    assert code == 1
+    assert "target(s) missed" in err
+    doc = json.loads(out)
+    assert doc["steps_any_peer_wins"] == doc["num_steps"]
+    code, _, _ = _run(capsys, ["--heldout", "--quick", "--steps", "1", "--report-only"])
+    assert code == 0

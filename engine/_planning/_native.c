@@ -30,7 +30,7 @@
 #include "_search.h"
 #include "_vec.h"
 
-#define CORE_VERSION 9
+#define CORE_VERSION 11
 
 typedef struct {
     int64_t *ids;
@@ -170,7 +170,7 @@ typedef struct {
 static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
                       const int64_t *tokens, const double *costs, const budgets_t *bud,
                       int64_t *out, Py_ssize_t ranks, Py_ssize_t per, Py_ssize_t m,
-                      int64_t seq_len, int64_t *ids) {
+                      int64_t seq_len, int64_t *ids, int lowest_rank) {
     heap_t heap = {ids, 0};
     heap_t park = {ids + ranks, 0};
     int64_t *room = ids + 2 * ranks;
@@ -213,6 +213,7 @@ static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
                 level = load[q];
                 chosen = q;
                 chosen_slot = qs;
+                if (lowest_rank) break; /* ties go to the lowest rank: the first popped */
                 continue;
             }
             /* Ranks tied on this load: the smallest (room left, rank tokens, rank) wins.
@@ -245,19 +246,24 @@ static int place_core(double *load, int64_t *rank_tokens, int64_t *bin_tokens,
 
 /*
  * lpt(costs, tokens, budget_costs, limits, order, out_flat, out_sizes, num_ranks, per_rank,
- *     seq_len) -> bool
+ *     seq_len[, open_first]) -> bool
  *
  * The whole greedy (lpt_assign in lpt.py): order is the placement order
  * (np.lexsort((-tokens, -costs))), at least num_ranks * per_rank samples long;
  * budget_costs is the samples' budget footprints (num_samples x len(limits), row-major) and
  * limits the packing budgets (empty for none). The layout goes to (out_flat, out_sizes),
  * bin by bin, each bin's samples in placement order. Returns False on a dead end.
+ * open_first (default true): the first num_ranks * per_rank samples each open a bin (phase
+ * 1); false: every sample goes to the least-loaded rank with a feasible bin, the lowest rank
+ * on ties, into its best bin as in phase 2 (the greedy sample LPT start, sample_lpt_layout
+ * in lpt.py), and a bin left empty is a dead end too.
  */
 static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer cost_b, tok_b, bud_b, lim_b, order_b, of_b, os_b;
     Py_ssize_t ranks, per, seq_len;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*nnn", &cost_b, &tok_b, &bud_b, &lim_b, &order_b,
-                          &of_b, &os_b, &ranks, &per, &seq_len)) {
+    int open_first = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*w*w*nnn|p", &cost_b, &tok_b, &bud_b, &lim_b,
+                          &order_b, &of_b, &os_b, &ranks, &per, &seq_len, &open_first)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -285,7 +291,8 @@ static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
             goto done;
         }
     }
-    Py_ssize_t m = n - nb;
+    Py_ssize_t opened_first = open_first ? nb : 0; /* samples placed by phase 1 */
+    Py_ssize_t m = n - opened_first;
     /* load, rank tokens, opened, heap (R each); bin fills, first sample (nb each); rest
        tokens, costs, destinations (m each); 4 R of phase-2 scratch. */
     block = malloc(sizeof(int64_t) * (size_t)(8 * ranks + 2 * nb + 3 * m + 1));
@@ -327,7 +334,9 @@ static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
         opened[r] = 0;
         heap.ids[heap.size++] = r; /* equal keys: already a heap in rank order */
     }
-    for (Py_ssize_t k = 0; k < nb; k++) {
+    for (Py_ssize_t b = 0; b < nb; b++) fills[b] = 0;
+    if (nbud) memset(bud.sums, 0, sizeof(double) * (size_t)(nb * nbud));
+    for (Py_ssize_t k = 0; k < opened_first; k++) {
         int64_t r = openings_pop(&heap, &key);
         int64_t i = order[k];
         int64_t p = opened[r]++;
@@ -340,26 +349,46 @@ static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
         if (p + 1 < per) openings_push(&heap, &key, r);
     }
     for (Py_ssize_t k = 0; k < m; k++) {
-        int64_t i = order[nb + k];
+        int64_t i = order[opened_first + k];
         rest_tok[k] = tokens[i];
         rest_cost[k] = costs[i];
         if (nbud) memcpy(bud_block + (nb + k) * nbud, bud_rows + i * nbud,
                          sizeof(double) * (size_t)nbud);
         if (tokens[i] > seq_len) ok = 0; /* an oversized sample needs an empty bin */
     }
-    if (ok) ok = place_core(load, rtok, fills, rest_tok, rest_cost, &bud, dest, ranks, per, m,
-                            (int64_t)seq_len, scratch);
+    /* Without openers, while every rank placed so far has a positive load, the next sample's
+       least-loaded ranks are the untouched ones: the rule gives it the first bin of the
+       lowest of them. Placed directly, as the rule would, without a heap operation. */
+    Py_ssize_t direct = 0;
+    if (!open_first && nbud == 0) {
+        while (direct < m && direct < ranks && rest_cost[direct] > 0.0 &&
+               rest_tok[direct] <= (int64_t)seq_len) {
+            Py_ssize_t r = direct;
+            fills[r * per] = rest_tok[direct];
+            rtok[r] += rest_tok[direct];
+            load[r] = load[r] + rest_cost[direct];
+            dest[direct] = r * per;
+            direct++;
+        }
+    }
+    if (ok) ok = place_core(load, rtok, fills, rest_tok + direct, rest_cost + direct, &bud,
+                            dest + direct, ranks, per, m - direct, (int64_t)seq_len, scratch,
+                            !open_first);
     if (ok) {
         /* Bin b: its opener, then its phase-2 samples in placement order. */
-        for (Py_ssize_t b = 0; b < nb; b++) out_sizes[b] = 1;
+        for (Py_ssize_t b = 0; b < nb; b++) out_sizes[b] = open_first ? 1 : 0;
         for (Py_ssize_t k = 0; k < m; k++) out_sizes[dest[k]]++;
         Py_ssize_t at = 0;
         for (Py_ssize_t b = 0; b < nb; b++) {
-            out_flat[at] = opener[b];
-            fills[b] = at + 1; /* reuse: next free position of bin b */
+            if (out_sizes[b] == 0) ok = 0; /* without openers a bin may end empty */
+            if (open_first) out_flat[at] = opener[b];
+            fills[b] = at + (open_first ? 1 : 0); /* reuse: next free position of bin b */
             at += out_sizes[b];
         }
-        for (Py_ssize_t k = 0; k < m; k++) out_flat[fills[dest[k]]++] = order[nb + k];
+        if (ok) {
+            for (Py_ssize_t k = 0; k < m; k++)
+                out_flat[fills[dest[k]]++] = order[opened_first + k];
+        }
     }
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(ok);

@@ -12,7 +12,7 @@ import numpy as np
 from evenflow.engine._planning import native
 from evenflow.engine._planning.problem import BalanceProblem, FlatLayout
 
-__all__ = ["LPTAlgorithm", "lpt_assign", "lpt_layout"]
+__all__ = ["LPTAlgorithm", "lpt_assign", "lpt_layout", "sample_lpt_layout"]
 
 
 def lpt_assign(problem: BalanceProblem) -> list[list[int]] | None:
@@ -36,6 +36,27 @@ def lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
         return None
     order = np.lexsort((-problem.tokens, -problem.costs))
     placed = native.lpt(problem, order)
+    return None if placed is None else FlatLayout(*placed)
+
+
+def sample_lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
+    """The greedy sample LPT: every sample to the least-loaded rank with room, from empty bins.
+
+    Every sample, in :func:`lpt_assign`'s order, goes to the least-loaded rank that has a
+    feasible bin (the lowest rank on ties), into its fullest bin that still fits (the first
+    on ties), without first giving each bin one of the ``num_bins`` costliest samples;
+    ``None`` when a sample fits no bin or a bin ends empty. (Unlike :func:`lpt_assign` it
+    breaks ties by rank alone: comparing every tied rank cost O(R) per sample where many
+    samples share a cost, ~30 ms of a 1,024-rank plan.) On nearly full steps it packs where
+    the reference greedy dead-ends: the costliest samples share bins with each other
+    instead of each claiming a bin of its own, leaving the short ones to fill what is left.
+    A start of the default algorithm (``schedule.DEFAULT``), so the default is never worse
+    than it.
+    """
+    if problem.num_samples < problem.num_bins:
+        return None
+    order = np.lexsort((-problem.tokens, -problem.costs))
+    placed = native.lpt(problem, order, open_first=False)
     return None if placed is None else FlatLayout(*placed)
 
 

@@ -72,8 +72,14 @@ def _limits(problem: BalanceProblem) -> np.ndarray:
     return np.array(list(problem.constraints.budgets.values()), dtype=np.float64)
 
 
-def lpt(problem: BalanceProblem, order: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """The greedy's layout as ``(flat, sizes)`` given the placement order, or None (dead end)."""
+def lpt(
+    problem: BalanceProblem, order: np.ndarray, *, open_first: bool = True
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The greedy's layout as ``(flat, sizes)`` given the placement order, or None (dead end).
+
+    ``open_first``: the first ``num_bins`` samples each open a bin (the reference greedy);
+    False places every sample by the same rule from empty bins (the greedy sample LPT), where
+    a bin left empty is a dead end too."""
     flat = np.empty(problem.num_samples, dtype=np.int64)
     sizes = np.empty(problem.num_bins, dtype=np.int64)
     placed = _core.lpt(
@@ -87,6 +93,7 @@ def lpt(problem: BalanceProblem, order: np.ndarray) -> tuple[np.ndarray, np.ndar
         problem.num_ranks,
         problem.bins_per_rank,
         problem.constraints.seq_len,
+        open_first,
     )
     return (flat, sizes) if placed else None
 

@@ -79,7 +79,7 @@ import numpy as np
 from evenflow.engine._planning import schedule
 from evenflow.engine._planning.kk import kk_bins
 from evenflow.engine._planning.lockstep import lockstep_assign
-from evenflow.engine._planning.lpt import lpt_layout
+from evenflow.engine._planning.lpt import lpt_layout, sample_lpt_layout
 from evenflow.engine._planning.objectives import lockstep, makespan
 from evenflow.engine._planning.polish import polish
 from evenflow.engine._planning.problem import (
@@ -94,6 +94,7 @@ from evenflow.engine._validate import check_optional_int
 
 __all__ = ["RefineAlgorithm"]
 
+
 class RefineAlgorithm:
     """Best of source, LPT and bin-level LPT, then capacity-aware local search (the default).
 
@@ -104,7 +105,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v11"
+    algorithm_id = "refine-v13"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -127,6 +128,7 @@ class RefineAlgorithm:
         source = FlatLayout(*_flatten(problem.source_bins))
         made: dict[str, int] = {}  # start name -> its index in starts
         starts: list[FlatLayout] = []
+        specs: list[schedule.Start] = []
         for start in sched.starts:
             if start.several_bins and problem.bins_per_rank == 1:
                 continue
@@ -134,16 +136,27 @@ class RefineAlgorithm:
             if layout is not None:
                 made[start.name] = len(starts)
                 starts.append(layout)
+                specs.append(start)
         scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
         budget = self._budget(problem, sched.search)
-        if problem.num_samples <= sched.multi_start_samples:
+        tiny = problem.num_samples <= sched.multi_start_samples
+        if tiny:
             origins = starts
         else:
-            origins = [starts[min(range(len(starts)), key=scores.__getitem__)]]
+            eligible = [k for k, spec in enumerate(specs) if spec.origin]
+            origins = [starts[min(eligible, key=scores.__getitem__)]]
         # Same candidates, order and strict comparison as scoring every layout afresh: the
         # searched layouts first, then the other starts; ties keep the earlier one.
         candidates: list[tuple[FlatLayout, float]] = []
         for origin in origins:
+            layout, rank_of = self._phases(problem, origin, budget, sched.search)
+            candidates.append((layout, _score_of(problem, rank_of)))
+        late = [k for k, spec in enumerate(specs) if not (tiny or spec.origin)]
+        reached = min(score for _, score in candidates)
+        searched_late = problem.num_samples <= sched.late_search_samples
+        if late and searched_late and min(scores[k] for k in late) < reached:
+            # A start that is no origin beat every searched layout: search from it too.
+            origin = starts[min(late, key=scores.__getitem__)]
             layout, rank_of = self._phases(problem, origin, budget, sched.search)
             candidates.append((layout, _score_of(problem, rank_of)))
         candidates.extend(zip(starts[1:], scores[1:], strict=True))
@@ -156,11 +169,12 @@ class RefineAlgorithm:
         if best_layout is None:
             return None
         finalists = [best_layout]
-        k = made.get(sched.close_start, -1)
-        if k >= 0 and starts[k] is not best_layout and scores[k] <= best_score * sched.close:
-            # Settling may lower a layout's makespan (a sample sent home can leave the most
-            # loaded rank), so LPT settled could end below the best one settled.
-            finalists.append(starts[k])
+        for name in sched.close_starts:
+            k = made.get(name, -1)
+            if k >= 0 and starts[k] is not best_layout and scores[k] <= best_score * sched.close:
+                # Settling may lower a layout's makespan (a sample sent home can leave the
+                # most loaded rank), so a start settled could end below the best one settled.
+                finalists.append(starts[k])
         return self._finish(problem, source, finalists, sched.finish)
 
     def _start(self, problem: BalanceProblem, name: str, source: FlatLayout) -> FlatLayout | None:
@@ -168,6 +182,8 @@ class RefineAlgorithm:
             return source
         if name == "lpt":
             return self._greedy(problem)
+        if name == "sample lpt":
+            return self._sample_greedy(problem)
         if name == "dealt bins":
             return _deal_bins(problem, source)
         if name == "kk bins":
@@ -252,9 +268,9 @@ class RefineAlgorithm:
                 if stage.keep == "finalist":
                     layouts.insert(0, stay)
                     scores.insert(0, score(stay.flat, stay.sizes))
-                elif score(stay.flat, stay.sizes) <= reach and moved(
-                    stay.flat, stay.sizes
-                ) < moved(chosen.flat, chosen.sizes):
+                elif score(stay.flat, stay.sizes) <= reach and moved(stay.flat, stay.sizes) < moved(
+                    chosen.flat, chosen.sizes
+                ):
                     chosen = stay
         return FlatLayout(chosen.flat, chosen.sizes, settled=True)
 
@@ -321,6 +337,9 @@ class RefineAlgorithm:
 
     def _greedy(self, problem: BalanceProblem) -> FlatLayout | None:
         return lpt_layout(problem)
+
+    def _sample_greedy(self, problem: BalanceProblem) -> FlatLayout | None:
+        return sample_lpt_layout(problem)
 
     def _search(
         self,

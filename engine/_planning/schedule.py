@@ -56,6 +56,11 @@ __all__ = [
 MULTI_START_SAMPLES = 48
 # Attempts of a tiny problem's searches (up to MULTI_START_SAMPLES samples): to convergence.
 TINY_BUDGET = 256
+# A start that is no search origin (the greedy sample LPT) and beats every searched layout is
+# searched from as well on steps up to this many samples; above, it is a candidate as it is.
+# At 1,024 x 4 (pretrain bfd, a = 0, ~40,000 samples) that search took ~140 ms of a 300 ms
+# plan, where the plan without the start took 110 ms.
+LATE_SEARCH_SAMPLES = 20_000
 
 # ---------------------------------------------------------------------------- first phase
 
@@ -93,10 +98,21 @@ MAX_POLISH_ROUNDS = 4
 # ~2-4 ms compiled. A 32k-token bin of 24 samples costs ~0.8 M cells per partner bin. Only
 # with one bin per rank: with several, whole bins move instead.
 SUBSET_CELLS = 1 << 21
+# ... and at most this many a rank: a 32k-token bin's knapsack costs ~1 ms per partner, so a
+# small group spent most of its plan there for little. At 8 x 1 (180 benchmark plans, 3
+# distributions x 2 packers x 3 costs x 10 steps, least CPU of 3 runs) 2^21 cells gave p99
+# 9.0 ms CPU and 2^14 a rank (131k cells) 2.0 ms, max cost / proven bound mean 1.00035 ->
+# 1.00038 (7 steps higher, the most 1.0319 -> 1.0333); 2^12 a rank saved nothing more, 2^16
+# a rank gave p99 3.1 ms. From 128 ranks on the allowance is SUBSET_CELLS as before.
+SUBSET_CELLS_PER_RANK = 1 << 14
 
 # ---------------------------------------------------------------------------- finish
 
-# LPT is settled as a finalist too when its score is within this factor of the best one.
+# LPT, the greedy sample LPT and KK over bins are settled as finalists too when their score is
+# within this factor of the best one: settling can lower a layout's makespan. With the
+# sample LPT start but only LPT among them, the planner settling the greedy's own layout
+# (the benchmark's "sample lpt" peer) ended below the default on 40 of the benchmark's 1,266
+# steps (22 cases, most at 8 and 64 x 16); with all three, on none.
 CLOSE = 1.001
 # The search from the source towards the best makespan runs on steps up to this many
 # samples, with STAY_ATTEMPTS attempts plus one per STAY_SAMPLES_PER_ATTEMPT samples (and
@@ -106,7 +122,12 @@ CLOSE = 1.001
 # other layout, so the cap bounds the planning time (~2 ms at 8 x 4) and nothing else. Past
 # ~20,000 samples it would cost more than the rest of the plan and rarely arrive.
 STAY_MAX_SAMPLES = 20_000
-STAY_ATTEMPTS = 24
+# STAY_ATTEMPTS was 24; 16 took the 8 x 4 p99 from 4.8 to 3.95 ms CPU (108 plans, least CPU
+# of 3 runs; 5.2 -> 3.7 in a rerun) at the same max cost / bound (mean 1.00689 -> 1.00688, 16
+# steps higher and 11 lower) and moved fraction (mean 0.493 both); at 64 x 4 (36 plans) the
+# moved fraction's mean went 0.493 -> 0.499 and its p50 0.426 -> 0.468. The 8 x 4 tail is
+# sft's steps (~100 samples a rank), where this search was ~2 of a ~4.5 ms plan.
+STAY_ATTEMPTS = 16
 STAY_SAMPLES_PER_ATTEMPT = 64
 # The first search from the source gets one attempt more per two ranks (each attempt works
 # one rank: at 64 x 4, sft first-fit steps then reach the best score more often, median
@@ -205,8 +226,11 @@ def polish_rounds(problem: BalanceProblem) -> int:
 
 
 def knapsack_cells(problem: BalanceProblem) -> int:
-    """The knapsack allowance of a plan: SUBSET_CELLS with one bin per rank, else none."""
-    return SUBSET_CELLS if problem.bins_per_rank == 1 else 0
+    """The knapsack allowance of a plan with one bin per rank: SUBSET_CELLS_PER_RANK a rank,
+    at most SUBSET_CELLS; none with several bins per rank."""
+    if problem.bins_per_rank != 1:
+        return 0
+    return min(SUBSET_CELLS, SUBSET_CELLS_PER_RANK * problem.num_ranks)
 
 
 def stays_from_source(problem: BalanceProblem) -> bool:
@@ -251,11 +275,14 @@ def _stay_rounds(problem: BalanceProblem) -> int:
 @dataclass(frozen=True, slots=True)
 class Start:
     """A layout the search may start from: ``name`` is one of the algorithm's start makers
-    (``"source"``, ``"lpt"``, ``"dealt bins"``, ``"kk bins"``); ``several_bins``: only with
-    more than one bin per rank."""
+    (``"source"``, ``"lpt"``, ``"dealt bins"``, ``"kk bins"``, ``"sample lpt"``);
+    ``several_bins``: only with more than one bin per rank. ``origin``: whether the start
+    competes to be the search's origin on steps past ``multi_start_samples``; a start that
+    does not is searched from only when it beats every layout the search reached."""
 
     name: str
     several_bins: bool = False
+    origin: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,18 +340,21 @@ class Schedule:
 
     1. ``starts`` (the source first: what every candidate must beat): every start is made
        and scored; steps up to ``multi_start_samples`` samples are searched from each,
-       larger ones from the best only;
-    2. ``search``: the search from those starts; the best of the searched layouts and the
+       larger ones from the best ``origin`` start only;
+    2. ``search``: the search from those starts, then, on steps up to
+       ``late_search_samples`` samples, from the best start that was no origin if it beats
+       every searched layout; the best of the searched layouts and the
        starts (strictly better than the source, within the packing budgets) wins;
-    3. the finalists: the winner, and the start named ``close_start`` when its score is
+    3. the finalists: the winner, and each start named in ``close_starts`` whose score is
        within ``close`` of the winner's;
     4. ``finish``: the stages, in order; the chosen layout is the plan.
     """
 
     starts: tuple[Start, ...]
     multi_start_samples: int
+    late_search_samples: int
     search: Search
-    close_start: str
+    close_starts: tuple[str, ...]
     close: float
     finish: tuple[Stage, ...]
 
@@ -335,10 +365,19 @@ DEFAULT = Schedule(
         Start("lpt"),
         Start("dealt bins", several_bins=True),
         Start("kk bins", several_bins=True),
+        # The greedy sample LPT (lpt.sample_lpt_layout). Before it, that greedy beat the
+        # default on 172 of 792 steps of ``evenflow bench planner --heldout`` (by up to 5%:
+        # 256 x 2 longctx first-fit p50 1.054 x the proven bound, the greedy 1.007). As an
+        # origin it sent the search elsewhere on other steps: 31 of 523 makespan steps of
+        # planner_digests.py planned higher than before. Searched from only when it beats
+        # every searched layout: 84 lower, none higher, and 0 of 792 held-out steps where
+        # any peer beats the default (p90 1.023 -> 1.012 x bound).
+        Start("sample lpt", origin=False),
     ),
     multi_start_samples=MULTI_START_SAMPLES,
+    late_search_samples=LATE_SEARCH_SAMPLES,
     search=Search(budget=None, rounds=polish_rounds, knapsack=True),
-    close_start="lpt",
+    close_starts=("lpt", "sample lpt", "kk bins"),
     close=CLOSE,
     finish=(
         Settle("finalists", "plain"),

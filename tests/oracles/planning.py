@@ -77,6 +77,43 @@ def lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
     return None if bins is None else FlatLayout.of_bins(bins)
 
 
+def sample_lpt_layout(problem: BalanceProblem) -> FlatLayout | None:
+    """The greedy sample LPT (``lpt.sample_lpt_layout``), as plainly as it can be said: each
+    sample in the reference greedy's order goes to the least-loaded rank (the lowest on ties)
+    that has a bin with room and budget for it, into the fullest such bin (the first on
+    ties). None when a sample fits no bin or a bin ends empty."""
+    if problem.num_samples < problem.num_bins:
+        return None
+    ranks, per = problem.num_ranks, problem.bins_per_rank
+    seq_len = problem.constraints.seq_len
+    budgets = list(problem.constraints.budgets.values())
+    rows: list[list[float]] = problem.budget_costs.tolist()
+    load = [0.0] * ranks
+    fill = [[0] * per for _ in range(ranks)]
+    spent = [[[0.0] * len(budgets) for _ in range(per)] for _ in range(ranks)]
+    bins: list[list[int]] = [[] for _ in range(ranks * per)]
+    for i in np.lexsort((-problem.tokens, -problem.costs)).tolist():
+        t, c = int(problem.tokens[i]), float(problem.costs[i])
+        for r in sorted(range(ranks), key=lambda q: (load[q], q)):
+            fits = [
+                b
+                for b in range(per)
+                if fill[r][b] + t <= seq_len
+                and all(spent[r][b][k] + rows[i][k] <= lim for k, lim in enumerate(budgets))
+            ]
+            if fits:
+                b = max(fits, key=lambda x: (fill[r][x], -x))
+                break
+        else:
+            return None
+        bins[r * per + b].append(i)
+        fill[r][b] += t
+        load[r] += c
+        for k in range(len(budgets)):
+            spent[r][b][k] += rows[i][k]
+    return FlatLayout.of_bins(bins) if all(bins) else None
+
+
 def _lpt(problem: BalanceProblem, order_array: np.ndarray) -> list[list[int]] | None:
     """The greedy given the placement order: lists of sample indices, or None."""
     num_ranks, per_rank = problem.num_ranks, problem.bins_per_rank
@@ -368,6 +405,9 @@ class OracleRefine(RefineAlgorithm):
 
     def _greedy(self, problem: BalanceProblem) -> FlatLayout | None:
         return lpt_layout(problem)
+
+    def _sample_greedy(self, problem: BalanceProblem) -> FlatLayout | None:
+        return sample_lpt_layout(problem)
 
     def _search(
         self,
