@@ -136,18 +136,25 @@ STAY_WIDEST = 256
 # ---------------------------------------------------------------------------- grouped search
 
 # Units whose samples are exchange candidates in one attempt of the grouped search (the ones
-# with the most room below their group's maximum): bounds an attempt's work.
+# with the most room below their group's maximum): bounds an attempt's work. The compiled
+# grouped search (_grouped.c) is given it.
 PARTNER_UNITS = 8
-# Passes of the grouped search over the positions of a step (an attempt examines one position,
-# ~0.1-0.5 ms). Measured with ``evenflow bench planner --lockstep`` at 8 ranks x 4 bins: the
-# first two passes bring most of the gain (longctx p50 excess over the bound 0.133 without a
-# search, 0.107 after two passes, 0.102 after ~60 attempts at twice the planning time).
-LOCKSTEP_PASSES = 4
-# Passes of the grouped search over a window's groups. Most of a window's gain comes from the
-# joint balance and the sorted grouping: on longctx at 8 ranks x 2 bins, W = 4 removes 98% of
-# W = 1's excess without a search and 109% after two passes, while ~30 passes cost 5-10x the
-# planning time of W = 1 for another 1-3% (``evenflow bench planner --window``).
-WINDOW_PASSES = 2
+# Rounds of the grouped search over the positions of a step (a round gives every group that
+# is not stuck one attempt, ~5-50 us compiled; a round without a change ends the search).
+# Measured with ``evenflow bench planner --lockstep`` (8 and 64 ranks x 2 and 4 bins, 3 steps a
+# case, 12 rows): against the former numpy search (4 passes), 4 rounds lowered the p50 excess
+# over the bound on 7 rows and raised none, 16 and 64 lowered it on all 12 (longctx 8 x 4:
+# 0.115 numpy, then 0.114, 0.108, 0.098; pretrain 64 x 4: 0.147, 0.144, 0.137, 0.132) at the
+# same or less planning time, which the makespan starts dominate.
+LOCKSTEP_PASSES = 64
+# Rounds of the grouped search over a window's groups. Most of a window's gain comes from the
+# joint balance and the sorted grouping (on longctx at 8 ranks x 2 bins, W = 4 removes 98% of
+# W = 1's excess without a search). Measured with ``evenflow bench planner --window 2 4
+# --objectives makespan lockstep`` at 8 ranks x 1, 2, 4 bins, 8 steps (36 rows of W = 2, 4):
+# against the former numpy search (2 passes), 2 rounds were within 0.01% on every row; 8
+# lowered cost/lb on all 36 (geometric mean -0.3%; lockstep sft 8 x 4 W = 4 0.956 -> 0.948)
+# at less planning time than the numpy search; 32 by -0.8% at about the numpy search's time.
+WINDOW_PASSES = 8
 
 # ---------------------------------------------------------------------------- the core's
 
