@@ -44,7 +44,7 @@ from evenflow.engine._planning.problem import (
     _first_infeasible_flat,
     _flatten,
 )
-from evenflow.engine._planning.schedule import LOCKSTEP_PASSES
+from evenflow.engine._planning.schedule import lockstep_budget
 
 __all__ = [
     "bin_cost_matrix",
@@ -111,11 +111,11 @@ def lockstep_assign(problem: BalanceProblem, assign: Assign) -> FlatLayout | Non
         if found is not None:
             starts.append(FlatLayout(*_flatten(found)))
     # Each start dealt into positions by cost; the search improves the best of them only
-    # (a start's dealing costs a few array passes, its search up to LOCKSTEP_PASSES rounds).
+    # (a start's dealing costs a few array passes, its search up to lockstep_budget attempts).
     states = [_dealt(problem, start) for start in starts]
     dealt = [group_cost(state.unit_cost, num_ranks) for state in states]
     state = states[min(range(len(states)), key=dealt.__getitem__)]
-    grouped_search(state, problem.constraints, num_ranks, search_budget(per, LOCKSTEP_PASSES))
+    grouped_search(state, problem.constraints, num_ranks, lockstep_budget(per))
     layout = _to_ranks(problem, state, home)
     if _first_infeasible_flat(problem, layout.flat, layout.sizes) >= 0:
         return None  # rounding at a budget's edge: the exact replay decides

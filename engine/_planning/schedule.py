@@ -24,6 +24,7 @@ __all__ = [
     "CLOSE",
     "CORE_CONSTANTS",
     "DEFAULT",
+    "LOCKSTEP_MAX_ATTEMPTS",
     "LOCKSTEP_PASSES",
     "MULTI_START_SAMPLES",
     "NEAR_OPTIMAL",
@@ -41,6 +42,7 @@ __all__ = [
     "Start",
     "default_budget",
     "knapsack_cells",
+    "lockstep_budget",
     "polish_rounds",
     "second_stay_budget",
     "stay_again_budget",
@@ -140,13 +142,21 @@ STAY_WIDEST = 256
 # grouped search (_grouped.c) is given it.
 PARTNER_UNITS = 8
 # Rounds of the grouped search over the positions of a step (a round gives every group that
-# is not stuck one attempt, ~5-50 us compiled; a round without a change ends the search).
-# Measured with ``evenflow bench planner --lockstep`` (8 and 64 ranks x 2 and 4 bins, 3 steps a
-# case, 12 rows): against the former numpy search (4 passes), 4 rounds lowered the p50 excess
-# over the bound on 7 rows and raised none, 16 and 64 lowered it on all 12 (longctx 8 x 4:
-# 0.115 numpy, then 0.114, 0.108, 0.098; pretrain 64 x 4: 0.147, 0.144, 0.137, 0.132) at the
-# same or less planning time, which the makespan starts dominate.
-LOCKSTEP_PASSES = 64
+# is not stuck one attempt, ~5-50 us compiled; a round without a change ends the search), and
+# at most LOCKSTEP_MAX_ATTEMPTS attempts in all (lockstep_budget). Measured with ``evenflow
+# bench planner --lockstep`` (8 and 64 ranks x 2 and 4 bins, 3 steps a case, 12 rows):
+# against the former numpy search (4 passes), 4 rounds lowered the p50 excess over the bound
+# on 7 rows and raised none, 64 on all 12 (longctx 8 x 4: 0.115 -> 0.098; pretrain 64 x 4:
+# 0.147 -> 0.132) at the same or less planning time, which the makespan starts dominate.
+# Run to convergence the search needs up to ~2,300 rounds (p50 17, p90 300) and lowers the
+# raw lockstep cost by up to 2% (geometric mean over a shape; pretrain and sft, 2 bins) more
+# than 64 rounds, but at 64 x 16 it then costs up to 0.46 s a step. 512 rounds within 1,024
+# attempts, against 64 rounds (2-16 bins, 8 and 64 ranks, 360 steps): raw cost -0.8% (8 x 2),
+# -0.25% (8 x 4), -0.3% (64 x 2), -0.4% (64 x 4) geometric mean, up to -6.9% on a step, none
+# higher, 16 bins unchanged; CPU per plan p50 unchanged but at 64 x 4 (13.3 -> 15.5 ms), p90
+# +1 to +3 ms.
+LOCKSTEP_PASSES = 512
+LOCKSTEP_MAX_ATTEMPTS = 1024
 # Rounds of the grouped search over a window's groups. Most of a window's gain comes from the
 # joint balance and the sorted grouping (on longctx at 8 ranks x 2 bins, W = 4 removes 98% of
 # W = 1's excess without a search). Measured with ``evenflow bench planner --window 2 4
@@ -155,6 +165,12 @@ LOCKSTEP_PASSES = 64
 # lowered cost/lb on all 36 (geometric mean -0.3%; lockstep sft 8 x 4 W = 4 0.956 -> 0.948)
 # at less planning time than the numpy search; 32 by -0.8% at about the numpy search's time.
 WINDOW_PASSES = 8
+
+
+def lockstep_budget(positions: int) -> int:
+    """Attempts of a lockstep step's grouped search: LOCKSTEP_PASSES rounds over its
+    ``positions`` groups, at most LOCKSTEP_MAX_ATTEMPTS."""
+    return min(LOCKSTEP_PASSES * positions, LOCKSTEP_MAX_ATTEMPTS)
 
 # ---------------------------------------------------------------------------- the core's
 
