@@ -169,6 +169,57 @@ def test_each_family_and_the_table_match_the_oracle_on_random_instances(
     assert changed > 10, "too few instances changed to test the families"
 
 
+def test_ties_among_many_units_match_the_oracle(grouped_oracle: ModuleType) -> None:
+    # Few distinct costs over many units: slack ties at the exchange's cut of PARTNER_UNITS
+    # units, and candidates tie on gain and cost, so every tie-break is exercised.
+    rng = np.random.default_rng(11)
+    changed = 0
+    for _ in range(12):
+        group, units = 2, 2 * int(rng.integers(8, 14))
+        bins = [[3 * u, 3 * u + 1, 3 * u + 2] for u in range(units)]
+        tokens = rng.integers(1, 3, size=3 * units).astype(np.int64)
+        costs = rng.choice([1.0, 2.0, 5.0], size=3 * units)
+        state = _state(costs, tokens, bins, 1)
+        constraints = PackingConstraints(seq_len=8)
+        changed += _compare(
+            grouped_oracle,
+            state,
+            constraints=constraints,
+            group=group,
+            budget=60,
+            families=3,
+        )
+    assert changed > 0
+
+
+def test_the_exchange_partners_tie_to_the_lower_units(grouped_oracle: ModuleType) -> None:
+    # Two groups of 12 units; every unit but the top one has room 4 below its group's
+    # maximum, so 22 units tie for the PARTNER_UNITS places: the lower units win them, and
+    # the exchange takes a sample of cost 9 from unit 1 (the higher units hold 8.5 or 6).
+    pairs = [(12.0, 8.0)] + [(9.0, 7.0)] * 8 + [(8.5, 7.5)] * 3 + [(10.0, 5.0)] + [(6.0, 5.0)] * 11
+    costs = np.array([c for pair in pairs for c in pair])
+    state = _state(
+        costs,
+        np.ones(costs.size, dtype=np.int64),
+        [[2 * u, 2 * u + 1] for u in range(len(pairs))],
+        1,
+    )
+    core = copy.deepcopy(state)
+    assert (
+        _compare(
+            grouped_oracle,
+            state,
+            constraints=PackingConstraints(seq_len=8),
+            group=12,
+            budget=1,
+            families=2,
+        )
+        == 1
+    )
+    grouped_search(core, PackingConstraints(seq_len=8), 12, 1, families=2)
+    assert sorted(core.costs[core.bin_of == core.bin_of[2]].tolist()) == [8.0, 9.0]
+
+
 @pytest.mark.parametrize(
     "case",
     [
