@@ -115,7 +115,7 @@ def lockstep_assign(problem: BalanceProblem, assign: Assign) -> FlatLayout | Non
     states = [_dealt(problem, start) for start in starts]
     dealt = [group_cost(state.unit_cost, num_ranks) for state in states]
     state = states[min(range(len(states)), key=dealt.__getitem__)]
-    grouped_search(state, problem.constraints, num_ranks, lockstep_budget(per))
+    grouped_search(state, problem.constraints, num_ranks, lockstep_budget(per, num_ranks))
     layout = _to_ranks(problem, state, home)
     if _first_infeasible_flat(problem, layout.flat, layout.sizes) >= 0:
         return None  # rounding at a budget's edge: the exact replay decides
