@@ -29,3 +29,9 @@ def load_test_module(relative: str) -> ModuleType:
 def planning_oracle() -> ModuleType:
     """``tests/oracles/planning.py``: slow reference kernels of the planner's compiled core."""
     return load_test_module("oracles/planning.py")
+
+
+@pytest.fixture(scope="session")
+def grouped_oracle() -> ModuleType:
+    """``tests/oracles/grouped.py``: the slow reference of the compiled grouped search."""
+    return load_test_module("oracles/grouped.py")

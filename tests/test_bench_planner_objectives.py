@@ -35,6 +35,10 @@ def test_lockstep_table_reports_every_layout_against_the_bound(
     assert excess["mk sort"]["p50"] <= excess["makespan"]["p50"] + 1e-12
     assert excess["lockstep"]["p50"] <= excess["src sort"]["p50"] + 1e-12
     assert min(v["p50"] for v in excess.values()) >= -1e-12
+    # The raw cost beside the excess: the lockstep plan against the makespan plan's bins
+    # sorted, per step (the lockstep plan starts from those bins dealt by cost).
+    raw = row["raw_vs_mk_sort"]
+    assert -1.0 < raw["p50"] <= raw["p90"] and raw["p50"] <= 1e-12
     assert [t["status"] for t in doc["targets"]] == [
         "PASS" if code == 0 else t["status"] for t in doc["targets"]
     ]

@@ -22,6 +22,7 @@ _NOT_TUNING = {
     ("bounds.py", "_ROUNDING"): "rounding margin of the reported bound",
     ("bounds.py", "_CAPACITY_CANDIDATES"): "work of the reported bound; plans do not read it",
     ("bounds.py", "_HEAVY_SHARES"): "work of the reported bound; plans do not read it",
+    ("bounds.py", "_SHARED_BINS"): "work of the reported bound; plans do not read it",
 }
 # Cost models define what a plan balances, not how it searches (and have their own tests):
 # calibration's Huber constant and ridge are the fit's, vision's the encoder's cost.

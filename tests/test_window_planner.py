@@ -200,3 +200,19 @@ def test_bounds_never_exceed_brute_force_optima(
             1 + 1e-12
         )
         assert makespan_lower_bound(costs, num_ranks) <= best_make * (1 + 1e-12)
+
+
+def test_the_lockstep_bound_counts_the_tokens_a_full_position_cannot_take() -> None:
+    # One long sample fills most of a bin: the first position (two bins) holds at most 24
+    # tokens, so the other position's bins take the rest and its maximum cannot be small.
+    # The mean and the alone samples say 131.5; the optimum is 157.
+    tokens = np.array([11, 6, 6, 6, 4, 3, 3])
+    costs = tokens.astype(np.float64) ** 2
+    best_lock, _ = _optima(tokens, costs, (1, 2, 2), 12)
+    assert best_lock == 157.0
+    bound = lockstep_lower_bound(costs, tokens, 2, 2, 12)
+    assert 150.0 < bound <= best_lock
+    window = window_lower_bound(
+        costs, tokens, num_ranks=2, bins_per_rank=1, num_steps=2, seq_len=12, objective="lockstep"
+    )
+    assert window == pytest.approx(bound)  # two steps of one position each: the same positions

@@ -1,6 +1,7 @@
-/* The one driver loop of the default algorithm's local search, shared by its two phases
-   (refine_search in _native.c, polish in _polish.c): each phase supplies its state and one
-   attempt (`improve_t`), a walk over its table of move families.
+/* The one driver loop of the planner's local searches: the default algorithm's two phases
+   (refine_search in _native.c, polish in _polish.c) and the grouped search of lockstep plans
+   and windows (_grouped.c, in rounds; its own acceptance rule is in _grouped.h). Each search
+   supplies its state and one attempt (`improve_t`), a walk over its table of move families.
 
    Rule of the driver: each attempt works on the most loaded rank `a` that is not stuck. An
    attempt that finds no change marks `a` stuck; one that changes `a` and a partner rank
@@ -21,6 +22,7 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 /* The tolerance of an attempt on a rank of load `top`: a change within it of top's rounding is
    no improvement. */
@@ -40,34 +42,56 @@ typedef struct {
 } drive_t;
 
 /* Run `improve` on `search` by the driver's rule; `load` is the search's rank loads (read
-   after every attempt), `stuck` one flag per rank, all clear on entry. */
-static inline drive_t drive(void *search, improve_t improve, const double *load,
-                            unsigned char *stuck, Py_ssize_t ranks, Py_ssize_t budget,
-                            double good_enough, int sumsq) {
+   after every attempt), `stuck` one flag per rank, all clear on entry. With `seen` (one flag
+   per rank, all clear on entry; NULL for the plain rule) the driver works in rounds: an
+   attempt takes the most loaded rank that is neither stuck nor worked yet in this round, a
+   round ends when no such rank is left and the search ends after a round without a change.
+   The grouped search (_grouped.c) runs so: its loads are group maxima, each of which counts
+   in its objective, so every group gets its turn before any gets a second one. */
+static inline drive_t drive_rounds(void *search, improve_t improve, const double *load,
+                                   unsigned char *stuck, unsigned char *seen,
+                                   Py_ssize_t ranks, Py_ssize_t budget, double good_enough,
+                                   int sumsq) {
     drive_t out = {0, 0, 0};
-    for (; out.attempts < budget; out.attempts++) {
+    int changed = 0; /* in this round */
+    while (out.attempts < budget) {
         int64_t top = 0;
         for (int64_t r = 1; r < ranks; r++) if (load[r] > load[top]) top = r;
         if (!sumsq && (stuck[top] || load[top] <= good_enough)) break;
         int64_t a = -1;
         for (int64_t r = 0; r < ranks; r++) {
-            if (!stuck[r] && (a < 0 || load[r] > load[a])) a = r;
+            if (!stuck[r] && !(seen && seen[r]) && (a < 0 || load[r] > load[a])) a = r;
         }
-        if (a < 0) break;
+        if (a < 0) {
+            if (seen == NULL || !changed) break;
+            memset(seen, 0, (size_t)ranks);
+            changed = 0;
+            continue;
+        }
         int64_t partner = improve(search, a);
         if (partner == -2) {
             out.failed = 1;
             break;
         }
+        out.attempts++;
+        if (seen) seen[a] = 1;
         if (partner < 0) {
             stuck[a] = 1;
         } else {
             out.changes++;
+            changed = 1;
             stuck[a] = 0;
             stuck[partner] = 0;
         }
     }
     return out;
+}
+
+/* The plain rule: drive_rounds without rounds. */
+static inline drive_t drive(void *search, improve_t improve, const double *load,
+                            unsigned char *stuck, Py_ssize_t ranks, Py_ssize_t budget,
+                            double good_enough, int sumsq) {
+    return drive_rounds(search, improve, load, stuck, NULL, ranks, budget, good_enough, sumsq);
 }
 
 #endif

@@ -30,7 +30,7 @@
 #include "_search.h"
 #include "_vec.h"
 
-#define CORE_VERSION 11
+#define CORE_VERSION 12
 
 typedef struct {
     int64_t *ids;
@@ -718,6 +718,7 @@ int evenflow_settle_constants(PyObject *mod);
 int evenflow_polish_constants(PyObject *mod);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
 PyObject *evenflow_heavy_bound(PyObject *self, PyObject *args);
+PyObject *evenflow_grouped_search(PyObject *self, PyObject *args); /* _grouped.c */
 
 static PyMethodDef methods[] = {
     {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
@@ -731,6 +732,8 @@ static PyMethodDef methods[] = {
      "Relabel a layout towards its source and bring samples home (see settle.py)."},
     {"heavy_bound", evenflow_heavy_bound, METH_VARARGS,
      "Bound 5 of a step's makespan, heavy ranks and tokens (see bounds.py)."},
+    {"grouped_search", evenflow_grouped_search, METH_VARARGS,
+     "The grouped search of lockstep plans and windows (see grouped.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -58,14 +58,30 @@ bound 5 is too, and its test counts a makespan as feasible within the same margi
 
 **Lockstep and windows** (additive costs, from arrays: :func:`lockstep_lower_bound`,
 :func:`window_lower_bound`). A lockstep step costs ``Σ_b max_r cost(r, b)``, at least its
-makespan, so every makespan bound holds for it. Besides: sort the samples that need a bin of
-their own (longer than half of ``seq_len``, or oversized) by cost, descending, ``h_1 ≥ h_2 ≥
-…``, and the positions by their maxima ``m_1 ≥ … ≥ m_B``. The bins at positions ``k..B`` cost
-at most ``m_k`` and positions ``1..k-1`` hold only ``(k-1)·R`` bins, so ``m_k ≥
-h_{(k-1)R+1}``: the cost is at least ``Σ_k h_{(k-1)R+1}``. A window of ``W`` steps is the same
-argument over ``W`` groups of ``R·B`` bins (makespan: each step's slowest rank holds at least
-its costliest sample) or ``W·B`` groups of ``R`` bins (lockstep); and the sum of the steps'
-costs is at least the total over ``R`` (bound 1) and the costliest sample (bound 2).
+makespan, so every makespan bound holds for it. Besides, let ``m_1 ≥ … ≥ m_P`` be the maxima of
+the ``P = B`` positions (``R`` bins each), sorted:
+
+* **Alone.** Sort the samples that need a bin of their own (longer than half of ``seq_len``, or
+  oversized) by cost, descending, ``h_1 ≥ h_2 ≥ …``. The bins at positions ``k..P`` cost at
+  most ``m_k`` and positions ``1..k-1`` hold only ``(k-1)·R`` bins, so ``m_k ≥
+  h_{(k-1)R+1}``; likewise at most ``q`` samples longer than ``seq_len / (q + 1)`` share a
+  bin, so ``m_k`` is at least the ``(q·(k-1)·R + 1)``-th costliest of them (``q`` up to 4);
+  and ``m_1`` is at least the costliest sample. Call the largest of these ``a_k``.
+* **Positions fill up.** Positions ``1..k-1`` hold at most ``(k-1)·R·seq_len`` tokens, so the
+  other positions hold the rest, ``τ_k = total tokens - (k-1)·R·seq_len``, which cost at least
+  the cheapest fractional cover of ``τ_k`` tokens (samples by cost per token, ascending, the
+  last one in part; as in bound 4). Those positions' ``R`` bins each cost at most their
+  maximum, so ``X_k = cover(τ_k) / R ≤ m_k + … + m_P``; and ``m_k`` is at least their mean,
+  ``X_k / (P - k + 1)``, which every earlier ``m_j`` is too. Hence, for every ``k``,
+  ``Σ m ≥ Σ_{j<k} max(a_j, X_k / (P-k+1)) + max(X_k, Σ_{j≥k} a_j)``; ``k = 1`` is the mean
+  and the alone bound. This is what makes a step with a few long samples and full bins costly
+  under lockstep: the long samples' position cannot also absorb the short ones' cost, having
+  no tokens to spare. Like bound 4 it needs every bin to fit ``seq_len``.
+
+A window of ``W`` steps is the same argument over ``W`` groups of ``R·B`` bins (makespan: each
+step's slowest rank holds at least its costliest sample) or ``W·B`` positions of ``R`` bins
+(lockstep); and the sum of the steps' costs is at least the total over ``R`` (bound 1) and the
+costliest sample (bound 2).
 """
 
 from __future__ import annotations
@@ -94,6 +110,8 @@ _ROUNDING = 1e-9
 # Bound 5: the heavy sets tried, the samples above these shares of the other bounds (no one
 # share is best on every step of the planner benchmark).
 _HEAVY_SHARES = (0.5, 0.6, 0.7, 0.8, 0.9)
+# Lockstep: the position bound counts samples that at most 1, 2, ... this many share a bin.
+_SHARED_BINS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +311,49 @@ def _alone_bound(
     return math.fsum(ordered[::per_group][:num_groups].tolist())
 
 
+def _positions_bound(
+    costs: np.ndarray, tokens: np.ndarray, seq_len: int, per_group: int, num_groups: int
+) -> float:
+    """The lockstep bound over ``num_groups`` positions of ``per_group`` bins (see the module
+    docstring: the alone samples and the tokens positions leave to the others)."""
+    values = np.asarray(costs, dtype=np.float64)
+    lengths = np.asarray(tokens, dtype=np.int64)
+    if values.size == 0:
+        return 0.0
+    a = np.zeros(num_groups, dtype=np.float64)
+    for most in range(1, _SHARED_BINS + 1):
+        # Samples longer than seq_len / (most + 1): at most `most` of them share a bin.
+        long = -np.sort(-values[(most + 1) * lengths > seq_len])
+        picked = long[:: most * per_group][:num_groups]
+        a[: picked.size] = np.maximum(a[: picked.size], picked)
+    a[0] = max(a[0], float(values.max()))
+    # X_k for k = 1..P: the cheapest cover of the tokens the first k - 1 positions cannot hold.
+    covers = np.zeros(num_groups, dtype=np.float64)
+    covers[0] = math.fsum(values.tolist()) / per_group
+    if num_groups > 1 and int(lengths.max()) <= seq_len:
+        has = lengths > 0
+        density = values[has] / lengths[has]
+        order = np.argsort(density, kind="stable")
+        cum_tok = np.cumsum(lengths[has][order])
+        cum_cost = np.cumsum(values[has][order])
+        need = int(lengths.sum()) - np.arange(num_groups, dtype=np.int64) * per_group * seq_len
+        for k in range(1, num_groups):
+            if need[k] <= 0:
+                break
+            j = int(np.searchsorted(cum_tok, need[k]))  # the sample that completes the cover
+            before_tok = int(cum_tok[j - 1]) if j else 0
+            before_cost = float(cum_cost[j - 1]) if j else 0.0
+            part = (need[k] - before_tok) * float(density[order[j]])
+            covers[k] = (before_cost + part) * (1.0 - _ROUNDING) / per_group
+    best = 0.0
+    for k in range(num_groups):
+        level = covers[k] / (num_groups - k)
+        head = math.fsum(np.maximum(a[:k], level).tolist())
+        tail = max(float(covers[k]), math.fsum(a[k:].tolist()))
+        best = max(best, head + tail)
+    return best
+
+
 def lockstep_lower_bound(
     costs: np.ndarray,
     tokens: np.ndarray,
@@ -307,7 +368,7 @@ def lockstep_lower_bound(
     return max(
         makespan_bound,
         makespan_lower_bound(costs, num_ranks),
-        _alone_bound(costs, tokens, seq_len, num_ranks, bins_per_rank),
+        _positions_bound(costs, tokens, seq_len, num_ranks, bins_per_rank),
     )
 
 
@@ -325,7 +386,7 @@ def window_lower_bound(
     (``objective``: ``"makespan"`` or ``"lockstep"``, the step cost being summed)."""
     base = makespan_lower_bound(costs, num_ranks)
     if objective == "lockstep":
-        alone = _alone_bound(costs, tokens, seq_len, num_ranks, num_steps * bins_per_rank)
+        alone = _positions_bound(costs, tokens, seq_len, num_ranks, num_steps * bins_per_rank)
     else:
         alone = _alone_bound(costs, tokens, seq_len, num_ranks * bins_per_rank, num_steps)
     return max(base, alone)

@@ -9,7 +9,7 @@ their grouping into positions, and for a fixed multiset sorting the bins by cost
 1. **Starts.** The source bins, the makespan plan's bins (the default algorithm on the same
    step under ``makespan``) and ``R·B`` balanced bins (the default algorithm on the step seen
    as ``R·B`` ranks of one bin: every bin close to ``total / (R·B)``).
-2. From each start, the bins are dealt sorted into positions and improved by
+2. Each start's bins are dealt sorted into positions; the best dealt start is improved by
    :func:`~evenflow.engine._planning.grouped.grouped_search`: a position's costliest bin gives
    load to bins that stay below their own position's maximum (typically the heavy first
    position absorbs load from the others), so the sum of the position maxima falls.
@@ -44,7 +44,7 @@ from evenflow.engine._planning.problem import (
     _first_infeasible_flat,
     _flatten,
 )
-from evenflow.engine._planning.schedule import LOCKSTEP_PASSES
+from evenflow.engine._planning.schedule import lockstep_budget
 
 __all__ = [
     "bin_cost_matrix",
@@ -57,7 +57,7 @@ Assign = Callable[[BalanceProblem], "Sequence[Sequence[int]] | None"]
 
 
 def search_budget(num_groups: int, passes: int) -> int:
-    """Attempts for ``passes`` passes over ``num_groups`` groups (attempts, never time)."""
+    """Attempts for ``passes`` rounds over ``num_groups`` groups (attempts, never time)."""
     return passes * num_groups
 
 
@@ -111,11 +111,11 @@ def lockstep_assign(problem: BalanceProblem, assign: Assign) -> FlatLayout | Non
         if found is not None:
             starts.append(FlatLayout(*_flatten(found)))
     # Each start dealt into positions by cost; the search improves the best of them only
-    # (an attempt costs ~0.5 ms, a start's dealing a few array passes).
+    # (a start's dealing costs a few array passes, its search up to lockstep_budget attempts).
     states = [_dealt(problem, start) for start in starts]
     dealt = [group_cost(state.unit_cost, num_ranks) for state in states]
     state = states[min(range(len(states)), key=dealt.__getitem__)]
-    grouped_search(state, problem.constraints, num_ranks, search_budget(per, LOCKSTEP_PASSES))
+    grouped_search(state, problem.constraints, num_ranks, lockstep_budget(per, num_ranks))
     layout = _to_ranks(problem, state, home)
     if _first_infeasible_flat(problem, layout.flat, layout.sizes) >= 0:
         return None  # rounding at a budget's edge: the exact replay decides

@@ -24,6 +24,7 @@ __all__ = [
     "CORE_VERSION",
     "core_identity",
     "cost_order",
+    "grouped_search",
     "heavy_bound",
     "lpt",
     "polish",
@@ -277,3 +278,42 @@ def heavy_bound(
             0.0 if upper is None else float(upper),
         )
     )
+
+
+def grouped_search(
+    state: Any,
+    *,
+    limits: np.ndarray,
+    order: np.ndarray,
+    group_size: int,
+    seq_len: int,
+    single: bool,
+    budget: int,
+    partner_units: int,
+    families: int = ALL_FAMILIES,
+) -> tuple[int, int]:
+    """Run the grouped search (``grouped.py``) on ``state``, a ``grouped.UnitState`` whose
+    arrays it updates in place, and ``order`` (every unit once), which it leaves listing the
+    units by (cost descending, unit ascending): the attempts made and the changes applied.
+    ``single``: the oversized policy is ``"single"``; ``families``: the entries of its table in
+    use, as for :func:`refine_search`."""
+    attempts, changes = _core.grouped_search(
+        _f64(state.costs),
+        _i64(state.tokens),
+        _f64(state.budget_costs),
+        _f64(limits),
+        state.bin_of,
+        state.bin_cnt,
+        state.bin_tok,
+        state.bin_bud,
+        state.unit_cost,
+        order,
+        state.bins_per_unit,
+        group_size,
+        seq_len,
+        single,
+        budget,
+        partner_units,
+        families,
+    )
+    return int(attempts), int(changes)

@@ -24,6 +24,7 @@ __all__ = [
     "CLOSE",
     "CORE_CONSTANTS",
     "DEFAULT",
+    "LOCKSTEP_MAX_WORK",
     "LOCKSTEP_PASSES",
     "MULTI_START_SAMPLES",
     "NEAR_OPTIMAL",
@@ -41,6 +42,7 @@ __all__ = [
     "Start",
     "default_budget",
     "knapsack_cells",
+    "lockstep_budget",
     "polish_rounds",
     "second_stay_budget",
     "stay_again_budget",
@@ -157,18 +159,43 @@ STAY_WIDEST = 256
 # ---------------------------------------------------------------------------- grouped search
 
 # Units whose samples are exchange candidates in one attempt of the grouped search (the ones
-# with the most room below their group's maximum): bounds an attempt's work.
+# with the most room below their group's maximum): bounds an attempt's work. The compiled
+# grouped search (_grouped.c) is given it.
 PARTNER_UNITS = 8
-# Passes of the grouped search over the positions of a step (an attempt examines one position,
-# ~0.1-0.5 ms). Measured with ``evenflow bench planner --lockstep`` at 8 ranks x 4 bins: the
-# first two passes bring most of the gain (longctx p50 excess over the bound 0.133 without a
-# search, 0.107 after two passes, 0.102 after ~60 attempts at twice the planning time).
-LOCKSTEP_PASSES = 4
-# Passes of the grouped search over a window's groups. Most of a window's gain comes from the
-# joint balance and the sorted grouping: on longctx at 8 ranks x 2 bins, W = 4 removes 98% of
-# W = 1's excess without a search and 109% after two passes, while ~30 passes cost 5-10x the
-# planning time of W = 1 for another 1-3% (``evenflow bench planner --window``).
-WINDOW_PASSES = 2
+# Rounds of the grouped search over the positions of a step (a round gives every group that
+# is not stuck one attempt, ~5-200 us compiled, growing with the group's units; a round
+# without a change ends the search), and at most LOCKSTEP_MAX_WORK attempts x ranks in all
+# (lockstep_budget). Measured with ``evenflow bench planner --lockstep`` (8 and 64 ranks x 2
+# and 4 bins, 3 steps a case, 12 rows): against the former numpy search (4 passes), 4 rounds
+# lowered the p50 excess over the bound on 7 rows and raised none, 64 on all 12 (longctx
+# 8 x 4: 0.115 -> 0.098; pretrain 64 x 4: 0.147 -> 0.132) at the same or less planning time,
+# which the makespan starts dominate. Run to convergence the search needs up to ~2,300 rounds
+# (p50 17, p90 300) and lowers the raw lockstep cost by up to 2% (geometric mean over a
+# shape; pretrain and sft, 2 bins) more than 64 rounds, but at 64 x 16 it then costs up to
+# 0.46 s a step. 512 rounds within LOCKSTEP_MAX_WORK, against 64 rounds (2-16 bins at 8 and
+# 64 ranks, 4 bins at 1,024; 288 steps): raw cost -0.8% (8 x 2), -0.3% (8 x 4), -0.04%
+# (8 x 16), -0.3% (64 x 2), -0.4% (64 x 4) geometric mean, up to -6.9% on a step, none higher,
+# 64 x 16 unchanged; CPU per plan p50 within noise but at 64 x 4 (+2 ms), p90 +1 to +3 ms. At
+# 1,024 x 4 an attempt costs ~0.1-0.2 ms: 1,024 attempts took the plan from 193 to 300 ms
+# (p50) for -0.6% raw cost; the cap's 64 cost +1 ms for -0.1% against the numpy search's 16
+# (and +0.2%, -11% CPU against 64 rounds).
+LOCKSTEP_PASSES = 512
+LOCKSTEP_MAX_WORK = 1 << 16
+# Rounds of the grouped search over a window's groups. Most of a window's gain comes from the
+# joint balance and the sorted grouping (on longctx at 8 ranks x 2 bins, W = 4 removes 98% of
+# W = 1's excess without a search). Measured with ``evenflow bench planner --window 2 4
+# --objectives makespan lockstep`` at 8 ranks x 1, 2, 4 bins, 8 steps (36 rows of W = 2, 4):
+# against the former numpy search (2 passes), 2 rounds were within 0.01% on every row; 8
+# lowered cost/lb on all 36 (geometric mean -0.3%; lockstep sft 8 x 4 W = 4 0.956 -> 0.948)
+# at less planning time than the numpy search; 32 by -0.8% at about the numpy search's time.
+WINDOW_PASSES = 8
+
+
+def lockstep_budget(positions: int, ranks: int) -> int:
+    """Attempts of a lockstep step's grouped search: LOCKSTEP_PASSES rounds over its
+    ``positions`` groups of ``ranks`` bins, at most LOCKSTEP_MAX_WORK / ``ranks`` (at least
+    one round)."""
+    return max(min(LOCKSTEP_PASSES * positions, LOCKSTEP_MAX_WORK // ranks), positions)
 
 # ---------------------------------------------------------------------------- the core's
 
