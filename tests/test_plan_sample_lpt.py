@@ -149,9 +149,10 @@ def _peer_wins(seeds: range, cases: list[tuple[str, float]]) -> tuple[int, int, 
                 # The independent peer and the compiled start are the same greedy.
                 start = sample_lpt_layout(problem)
                 assert start is not None and [list(b) for b in start.bins] == greedy
-                greedy_wins += float(problem.rank_costs(greedy).max()) < default * (1 - 1e-9)
+                beaten = default * (1 - schedule.TIE)
+                greedy_wins += float(problem.rank_costs(greedy).max()) < beaten
             kk = kk_bins(problem, FlatLayout(*_flatten(problem.source_bins)))
-            kk_wins += float(problem.rank_costs(kk.bins).max()) < default * (1 - 1e-9)
+            kk_wins += float(problem.rank_costs(kk.bins).max()) < default * (1 - schedule.TIE)
     return greedy_wins, kk_wins, greedy_layouts
 
 

@@ -241,7 +241,7 @@ class RefineAlgorithm:
             elif isinstance(stage, schedule.Choose):
                 best, pick, fewest = min(scores), 0, -1
                 for k, lay in enumerate(layouts):
-                    if scores[k] > best:
+                    if scores[k] > best * (1.0 + schedule.TIE):
                         continue
                     count = moved(lay.flat, lay.sizes)
                     if fewest < 0 or count < fewest:
@@ -268,10 +268,10 @@ class RefineAlgorithm:
                 if stage.keep == "finalist":
                     layouts.insert(0, stay)
                     scores.insert(0, score(stay.flat, stay.sizes))
-                elif score(stay.flat, stay.sizes) <= reach and moved(stay.flat, stay.sizes) < moved(
-                    chosen.flat, chosen.sizes
-                ):
-                    chosen = stay
+                else:
+                    fewer = moved(stay.flat, stay.sizes) < moved(chosen.flat, chosen.sizes)
+                    if fewer and score(stay.flat, stay.sizes) <= reach * (1.0 + schedule.TIE):
+                        chosen = stay
         return FlatLayout(chosen.flat, chosen.sizes, settled=True)
 
     def _stay(
@@ -287,7 +287,8 @@ class RefineAlgorithm:
         near miss; the layout when it scores ``reach`` or less within the packing budgets."""
         stay, rank_of = self._phases(problem, source, budget, stage.search, stop_at=stop)
         reached = _score_of(problem, rank_of)
-        if reach < reached <= reach * (1.0 + stage.go_on_within):  # a near miss: go on
+        tied = reach * (1.0 + schedule.TIE)  # within TIE of the aim counts as reaching it
+        if tied < reached <= reach * (1.0 + stage.go_on_within):  # a near miss: go on
             stay, rank_of = self._refine(
                 problem,
                 stay,
@@ -297,7 +298,7 @@ class RefineAlgorithm:
                 knapsack=False,
             )
             reached = _score_of(problem, rank_of)
-        if reached <= reach and _budgets_hold(problem, stay):
+        if reached <= tied and _budgets_hold(problem, stay):
             return stay
         return None
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from evenflow.engine._tools.bench.planner_cases import (
     _LINEAR,
-    _TOLERANCE,
+    _TIE,
     ALGORITHMS,
     PEERS,
     _Case,
@@ -207,7 +207,7 @@ def _wins(cases: list[_Case]) -> dict[str, int]:
     for case in cases:
         for k, mine in enumerate(case.algos["default"].objectives):
             for name, value in _others(case, k).items():
-                wins[name] += value < mine * (1 - _TOLERANCE)
+                wins[name] += value < mine * (1 - _TIE)
     return wins
 
 
@@ -215,7 +215,7 @@ def _any_win_steps(case: _Case) -> int:
     """Steps of ``case`` on which the source or any peer is below the default's max cost."""
     default = case.algos["default"].objectives
     return sum(
-        min(_others(case, k).values()) < mine * (1 - _TOLERANCE) for k, mine in enumerate(default)
+        min(_others(case, k).values()) < mine * (1 - _TIE) for k, mine in enumerate(default)
     )
 
 
