@@ -43,6 +43,7 @@ import numpy as np
 
 from evenflow.engine import BalancedLoader, DatasetSource, LoaderConfig, Tracer
 from evenflow.engine._pipeline import h2d
+from evenflow.engine._tools.host_device import HostDevice
 from evenflow.transports import GlooTransport
 from evenflow.transports.launch import run_ranks
 from evenflow.transports.testing import WrappedTransport
@@ -174,66 +175,10 @@ def _recording_transport(inner: Any) -> Any:
     return Recording(inner)
 
 
-class _Stream:
-    def synchronize(self) -> None:
-        pass
-
-    def wait_event(self, event: Any) -> None:
-        pass
-
-
-class _Event:
-    def record(self, stream: Any) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Context:
-    def __enter__(self) -> None:
-        pass
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
-class _HostDevice:
-    """The slice of ``torch.cuda`` the loader's device stager uses, acting on the host: every
-    stream and event is complete at once. With it (and batches left where they are by
-    ``move_fn``) a CPU-only run takes the device path: device slots, pinning of the steps that
-    wait, the ``h2d`` stage and its spans."""
-
-    def is_available(self) -> bool:
-        return True
-
-    def current_device(self) -> int:
-        return 0
-
-    def set_device(self, device: Any) -> None:
-        pass
-
-    def Stream(self, device: Any = None) -> _Stream:
-        return _Stream()
-
-    def Event(self) -> _Event:
-        return _Event()
-
-    def stream(self, stream: Any) -> _Context:
-        return _Context()
-
-    def current_stream(self, device: Any = None) -> _Stream:
-        return _Stream()
-
-
 def _stand_in_device() -> None:
-    """Give this rank process a host stand-in for an accelerator (see :class:`_HostDevice`);
-    pinning becomes a copy, as a CPU-only build of torch cannot pin."""
+    """Give this rank process a host stand-in for an accelerator (:class:`HostDevice`); pinning
+    becomes a copy, as a CPU-only build of torch cannot pin."""
     import torch
-
 
     if not hasattr(h2d, "_load_device_module"):
         raise RuntimeError(
@@ -241,7 +186,7 @@ def _stand_in_device() -> None:
             "this tool gives the loader a stand-in accelerator; update _stand_in_device() to "
             "the build's hook (the device-prefetch tests use the same one)."
         )
-    h2d._load_device_module = lambda device: _HostDevice()
+    h2d._load_device_module = lambda device: HostDevice()
     torch.Tensor.pin_memory = lambda self, *args, **kwargs: self.clone()  # type: ignore[method-assign]
 
 
