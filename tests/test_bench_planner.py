@@ -199,7 +199,9 @@ def test_exact_solver_matches_enumeration() -> None:
     for _ in range(3):
         tokens = [int(t) for t in rng.integers(1, 700, size=9)]
         costs = [100.0 * t + float(t) ** 2 for t in tokens]
-        optimum, proven = _solve_exact(tokens, costs, 1000)
+        # The benchmark's 2 s limit is for its sweep; on a loaded machine a proof of these
+        # small instances can take longer, which would say nothing about the solver.
+        optimum, proven = _solve_exact(tokens, costs, 1000, time_limit=60.0)
         assert proven
         assert optimum == pytest.approx(_brute_force(tokens, costs, 1000), rel=1e-3)
 

@@ -48,8 +48,10 @@ def _solve_exact(
     *,
     num_ranks: int = _EXACT_RANKS,
     num_bins: int = _EXACT_BINS,
+    time_limit: float = _EXACT_TIME_LIMIT_S,
 ) -> tuple[float, bool]:
-    """Minimum makespan of ``costs`` over all feasible layouts; ``(makespan, proven)``.
+    """Minimum makespan of ``costs`` over all feasible layouts; ``(makespan, proven)``
+    (``proven`` is false when the solver stopped at ``time_limit`` seconds).
 
     Variables: binary ``x[s, r, b]`` (sample ``s`` in bin ``b`` of rank ``r``) and ``T``. Each
     sample in one bin, each bin non-empty, bin tokens <= seq_len, rank cost <= T; minimise T.
@@ -117,7 +119,7 @@ def _solve_exact(
         constraints=LinearConstraint(matrix, lower, upper),
         integrality=integrality,
         bounds=Bounds(np.zeros(num_vars), ub),
-        options={"time_limit": _EXACT_TIME_LIMIT_S, "mip_rel_gap": _EXACT_REL_GAP},
+        options={"time_limit": time_limit, "mip_rel_gap": _EXACT_REL_GAP},
     )
     if result.x is None:
         raise RuntimeError(f"The exact solver found no layout: {result.message}")
