@@ -172,7 +172,9 @@ def _failing(rank: int, num_ranks: int, how: str, mode: str) -> dict[str, Any]:
         source = _source(rank, num_ranks, mode, 2, functools.partial(stuck, bad=bad))
     else:
         source = _source(rank, num_ranks, mode, 2)
-    loader = _loader(source, timeout=4.0 if how == "hang" else 30.0)
+    # The hang is told by LoaderConfig.timeout, which also bounds the first reply of freshly
+    # started workers (they unpickle the dataset): 8 s leaves a loaded host room for steps 0-2.
+    loader = _loader(source, timeout=8.0 if how == "hang" else 30.0)
     delivered, pids = 0, set()
     try:
         with loader:
