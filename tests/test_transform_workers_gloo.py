@@ -128,7 +128,8 @@ def test_workers_give_every_sample_once_bitwise_for_any_worker_count_mode_and_re
                 counts = [sum(map(len, batch)) for batch in arm["batches"]]
             else:
                 counts = arm["read_sizes"]
-            assert [list(w[:2]) for w in arm["work"]] == [[workers, c] for c in counts], (mode, workers)
+            got = [list(w[:2]) for w in arm["work"]]
+            assert got == [[workers, c] for c in counts], (mode, workers)
             assert all(busy > 0 and wait >= 0 for _, _, busy, wait in arm["work"])
         assert recorded[rank]["gone"] and len(recorded[rank]["pids"]) == 2
     delivered = [s for r in recorded for batch in r["batches"] for b in batch for s in b]

@@ -259,7 +259,7 @@ class FitResult:
 def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float]:
     """Gaussian elimination with partial pivoting, in Python floats (deterministic)."""
     n = len(rhs)
-    a = [row[:] + [value] for row, value in zip(matrix, rhs, strict=True)]
+    a = [[*row, value] for row, value in zip(matrix, rhs, strict=True)]
     for col in range(n):
         pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
         if a[pivot][col] == 0.0:
@@ -281,7 +281,7 @@ def _nnls(gram: list[list[float]], rhs: list[float]) -> list[float]:
     n = len(rhs)
     beta = [0.0] * n
     passive: list[int] = []
-    tol = 1e-12 * max(1.0, max(abs(v) for v in rhs))
+    tol = 1e-12 * max(1.0, max((abs(v) for v in rhs), default=0.0))
     for _ in range(3 * n + 3):
         grad = [rhs[j] - math.fsum(gram[j][i] * beta[i] for i in range(n)) for j in range(n)]
         free = [j for j in range(n) if j not in passive and grad[j] > tol]
@@ -350,7 +350,7 @@ def fit_coefficients(
         gram = [
             [math.fsum((wi * cj).tolist()) for cj in columns] for wi in weighted
         ]
-        ridge = _RIDGE * max(1.0, max(gram[i][i] for i in range(len(used))))
+        ridge = _RIDGE * max(1.0, max((gram[i][i] for i in range(len(used))), default=0.0))
         for i in range(len(used)):
             gram[i][i] += ridge
         rhs = [math.fsum(w.tolist()) for w in weighted]

@@ -19,8 +19,8 @@ merger's output width, forward FLOPs are ``2·p·M + 4·Hv·pairs`` where
   ``full`` layers, and over ``windowed`` layers inside windows of ``w = (window_size / s)²``
   patches (Qwen2.5-VL: every layer not in ``fullatt_block_indexes``).
 
-With full attention in every layer that is ``4·Hv·depth·p·(p + α)``, ``α`` = :attr:`alpha`:
-the ``p·(p+α)`` shape. The training cost multiplies forward FLOPs by ``training_multiplier``.
+With full attention in every layer that is ``4·Hv·depth·p·(p + alpha)``, with :attr:`alpha`:
+the ``p·(p + alpha)`` shape. The training cost multiplies forward FLOPs by ``training_multiplier``.
 """
 
 from __future__ import annotations
@@ -186,8 +186,8 @@ class VisionLanguageCost:
 
     @property
     def alpha(self) -> float:
-        """``α`` of the encoder's ``p·(p+α)`` shape when every layer attends to the whole image:
-        per-patch FLOPs over per-pair FLOPs of all layers."""
+        """``alpha`` of the encoder's ``p·(p + alpha)`` shape when every layer attends to the
+        whole image: per-patch FLOPs over per-pair FLOPs of all layers."""
         return self._patch_flops / (self._full_pair + self._window_pair)
 
     def patches(self, meta: SampleMetadata) -> list[int]:
