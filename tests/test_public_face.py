@@ -248,3 +248,19 @@ def test_the_internal_face_leaves_its_names_modules_alone() -> None:
     assert internal.RemoteErrorInfo.__module__ == "evenflow.transports._remote"
     assert serve.__module__ == "evenflow.transports._face"
     assert "serve" in internal.__all__ and "Protocol" in internal.__all__
+
+
+def test_classes_loaded_with_another_name_report_their_public_home_before_being_named() -> None:
+    """A caller who names only BalancedLoader still gets StepStats objects from it: the face
+    stamps every public class whose module the first access loaded, not only the one named."""
+    code = (
+        "import evenflow.engine as engine\n"
+        "engine.BalancedLoader\n"
+        "from evenflow.engine._pipeline.stats import StepStats\n"
+        "from evenflow.engine._sources.transform_pool import StepTransform\n"
+        "print(StepStats.__module__, StepTransform.__module__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.split() == ["evenflow.engine", "evenflow.engine"], done.stdout

@@ -24,8 +24,10 @@ and the stamp keeps one of them working:
   the same limit; tracebacks show the defining file and line as before.
 
 The stamp is applied when the face serves a name: the face's eager names at import, a lazy name
-on its first access. A class that the engine's internals use before any code has named it
-through its face still reports its defining module until then.
+on its first access, and with it every other lazy name whose defining module is loaded by then
+(the classes a loader's import brings in, whose objects the engine creates without the caller
+naming them). A class whose module is imported only later, and that no face access has
+followed, still reports its defining module until the next access.
 """
 
 from __future__ import annotations
@@ -137,6 +139,17 @@ def serve(name: str, *, moved_to: tuple[str, ...] = (), public_module: bool = Tr
     home_of = name if public_module else None
     for attr in eager:
         stamp(namespace[attr], home_of, package)
+    unstamped = dict(lazy)  # lazy names whose objects have not been stamped yet
+
+    def stamp_loaded() -> None:
+        """Stamp the lazy names whose defining modules are loaded by now (imported as a side
+        effect of another name): the engine creates objects of classes a caller never named
+        (a StepStats from a loader), and these too should report their public home."""
+        for attr, home in list(unstamped.items()):
+            defining = sys.modules.get(home)
+            if defining is not None and hasattr(defining, attr):
+                stamp(getattr(defining, attr), home_of, package)
+                del unstamped[attr]
 
     def __getattr__(attr: str) -> Any:
         home = lazy.get(attr)
@@ -144,6 +157,9 @@ def serve(name: str, *, moved_to: tuple[str, ...] = (), public_module: bool = Tr
             raise AttributeError(_missing(name, attr, moved_to))
         value = getattr(importlib.import_module(home), attr)
         stamp(value, home_of, package)
+        unstamped.pop(attr, None)
+        if home_of is not None:
+            stamp_loaded()
         namespace[attr] = value
         return value
 
