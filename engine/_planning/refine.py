@@ -233,8 +233,8 @@ class RefineAlgorithm:
         chosen = layouts[0]
         for stage in stages:
             if isinstance(stage, schedule.Settle) and stage.what == "finalists":
-                how = thorough[stage.how]
-                layouts = [settler.settled(f, thorough=how) for f in layouts]
+                wide = thorough[stage.how]
+                layouts = [settler.settled(f, thorough=wide) for f in layouts]
                 scores = [score(lay) for lay in layouts]
             elif isinstance(stage, schedule.Settle):
                 chosen = settler.settled(chosen, thorough=thorough[stage.how])
@@ -255,8 +255,7 @@ class RefineAlgorithm:
                     continue
                 if stage.aim == "best finalist":
                     reach = min(scores)
-                    best = layouts[scores.index(reach)]
-                    rank_of = problem.ranks_of(best)
+                    rank_of = problem.ranks_of(layouts[scores.index(reach)])
                     stop = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
                 else:
                     reach = stop = score(chosen)
