@@ -125,6 +125,15 @@ int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_ssize_t
             Py_ssize_t e = 0;
             for (Py_ssize_t k = 0; k < m; k++) {
                 if (stop[k] < k + 2) continue; /* a run needs two samples of k's bin */
+                /* With costs >= 0 a run from k costs at least its first two samples and at
+                   most the rest of k's bin (cp never decreases, nor do differences of it from
+                   cp[k]): when even those bounds leave the net cost outside the acceptance
+                   window, no end can qualify. Skipping k leaves the pointer behind, which the
+                   next start's walk makes up (its bound is no lower within a bin). */
+                if (nonneg && (!(ch - (cp[k + 2] - cp[k]) > tol) ||
+                               !(ch - (cp[stop[k]] - cp[k]) < gap_of[k] - tol))) {
+                    continue;
+                }
                 int64_t lo = th - room[k];
                 int64_t base = tp[k];
                 int64_t end;

@@ -102,6 +102,16 @@ class BalanceProblem:
         flat, sizes = _flatten(bins)
         return self._rank_of_flat(flat, sizes)
 
+    def ranks_of(self, layout: FlatLayout) -> np.ndarray:
+        """:meth:`rank_of` of a layout of this problem, computed once per layout (the
+        planner scores and compares each of its layouts several times). Read-only."""
+        ranks = layout._ranks
+        if ranks is None:
+            ranks = self._rank_of_flat(layout.flat, layout.sizes)
+            ranks.setflags(write=False)
+            layout._ranks = ranks
+        return ranks
+
     def _rank_of_flat(self, flat: np.ndarray, sizes: np.ndarray) -> np.ndarray:
         """:meth:`rank_of` for a layout already flattened by :func:`_flatten`."""
         ranks = np.repeat(np.arange(sizes.size, dtype=np.int64) // self.bins_per_rank, sizes)
@@ -133,7 +143,7 @@ class FlatLayout(Sequence[list[int]]):
     compares equal to the same layout given as lists.
     """
 
-    __slots__ = ("_bins", "flat", "settled", "sizes")
+    __slots__ = ("_bins", "_ranks", "flat", "settled", "sizes")
 
     def __init__(self, flat: np.ndarray, sizes: np.ndarray, *, settled: bool = False) -> None:
         self.flat = flat
@@ -142,6 +152,9 @@ class FlatLayout(Sequence[list[int]]):
         # source: the planner then does not settle it again.
         self.settled = settled
         self._bins: list[list[int]] | None = None
+        # The destination rank of every sample, once a planning step has needed it (a plan
+        # scores and compares its layouts several times; see ``ranks_of``).
+        self._ranks: np.ndarray | None = None
 
     @classmethod
     def of_bins(cls, bins: list[list[int]]) -> FlatLayout:

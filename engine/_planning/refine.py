@@ -137,7 +137,7 @@ class RefineAlgorithm:
                 made[start.name] = len(starts)
                 starts.append(layout)
                 specs.append(start)
-        scores = [_score_of(problem, problem._rank_of_flat(s.flat, s.sizes)) for s in starts]
+        scores = [_score_of(problem, problem.ranks_of(s)) for s in starts]
         budget = self._budget(problem, sched.search)
         tiny = problem.num_samples <= sched.multi_start_samples
         if tiny:
@@ -226,24 +226,24 @@ class RefineAlgorithm:
         change only what balance needs, whereas LPT and dealt bins start from scratch and move
         nearly every sample) and the choice among them; the chosen layout, settled."""
         settler = Settler(problem, source.flat, source.sizes)
-        score, moved = settler.score, settler.moved
-        settles = {"plain": settler.plain, "thorough": settler.thorough}
+        score, moved = settler.score_of, settler.moved_of
+        thorough = {"plain": False, "thorough": True}
         layouts = list(finalists)
         scores: list[float] = []
         chosen = layouts[0]
         for stage in stages:
             if isinstance(stage, schedule.Settle) and stage.what == "finalists":
-                how = settles[stage.how]
-                layouts = [FlatLayout(*how(f.flat, f.sizes), settled=True) for f in layouts]
-                scores = [score(lay.flat, lay.sizes) for lay in layouts]
+                wide = thorough[stage.how]
+                layouts = [settler.settled(f, thorough=wide) for f in layouts]
+                scores = [score(lay) for lay in layouts]
             elif isinstance(stage, schedule.Settle):
-                chosen = FlatLayout(*settles[stage.how](chosen.flat, chosen.sizes))
+                chosen = settler.settled(chosen, thorough=thorough[stage.how])
             elif isinstance(stage, schedule.Choose):
                 best, pick, fewest = min(scores), 0, -1
                 for k, lay in enumerate(layouts):
                     if scores[k] > best * (1.0 + schedule.TIE):
                         continue
-                    count = moved(lay.flat, lay.sizes)
+                    count = moved(lay)
                     if fewest < 0 or count < fewest:
                         pick, fewest = k, count
                 chosen = layouts[pick]
@@ -255,24 +255,25 @@ class RefineAlgorithm:
                     continue
                 if stage.aim == "best finalist":
                     reach = min(scores)
-                    best = layouts[scores.index(reach)]
-                    rank_of = problem._rank_of_flat(best.flat, best.sizes)
+                    rank_of = problem.ranks_of(layouts[scores.index(reach)])
                     stop = float(np.bincount(rank_of, weights=problem.costs).max(initial=0.0))
                 else:
-                    reach = stop = score(chosen.flat, chosen.sizes)
+                    reach = stop = score(chosen)
                 stay = self._stay(problem, source, budget, stage, stop, reach)
                 if stay is None:
                     continue
                 for how in stage.settles:
-                    stay = FlatLayout(*settles[how](stay.flat, stay.sizes), settled=True)
+                    stay = settler.settled(stay, thorough=thorough[how])
                 if stage.keep == "finalist":
                     layouts.insert(0, stay)
-                    scores.insert(0, score(stay.flat, stay.sizes))
+                    scores.insert(0, score(stay))
                 else:
-                    fewer = moved(stay.flat, stay.sizes) < moved(chosen.flat, chosen.sizes)
-                    if fewer and score(stay.flat, stay.sizes) <= reach * (1.0 + schedule.TIE):
+                    fewer = moved(stay) < moved(chosen)
+                    if fewer and score(stay) <= reach * (1.0 + schedule.TIE):
                         chosen = stay
-        return FlatLayout(chosen.flat, chosen.sizes, settled=True)
+        done = FlatLayout(chosen.flat, chosen.sizes, settled=True)
+        done._ranks = chosen._ranks
+        return done
 
     def _stay(
         self,
@@ -317,7 +318,7 @@ class RefineAlgorithm:
         ``schedule.polish_rounds``). ``stop_at``: a load at or below which the most loaded rank is
         good enough (default: near the bound). ``knapsack``: whether the second phase may
         spend its knapsack allowance on subset exchanges (one bin per rank only)."""
-        layout, rank_of = self._search(problem, origin, budget, stop_at=stop_at)
+        layout, rank_of = _known(*self._search(problem, origin, budget, stop_at=stop_at))
         if problem.constraints.budgets:
             return layout, rank_of
         # The allowance is per round: two rounds spend it all, later ones as much again.
@@ -330,7 +331,7 @@ class RefineAlgorithm:
             polished, _, changes = self._polish(problem, layout, attempts, cells, stop_at=stop_at)
             if changes == 0:
                 break
-            layout, rank_of = self._search(problem, polished, budget, stop_at=stop_at)
+            layout, rank_of = _known(*self._search(problem, polished, budget, stop_at=stop_at))
         return layout, rank_of
 
     # The kernels, compiled. Overridden only by the test oracle, which runs the same
@@ -362,6 +363,15 @@ class RefineAlgorithm:
         stop_at: float | None = None,
     ) -> tuple[FlatLayout, np.ndarray, int]:
         return polish(problem, start, budget, cells, stop_at=stop_at)
+
+
+def _known(layout: FlatLayout, rank_of: np.ndarray) -> tuple[FlatLayout, np.ndarray]:
+    """A searched layout with its sample ranks (what the search reports) kept on it, so the
+    finish need not recompute them (``BalanceProblem.ranks_of``)."""
+    if layout._ranks is None:
+        rank_of.setflags(write=False)
+        layout._ranks = rank_of
+    return layout, rank_of
 
 
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:
