@@ -232,6 +232,8 @@ def test_baseline_runs_the_same_steps_in_another_interpreter(
     baseline = json.loads(out)["baseline"]
     assert baseline["python"] == sys.executable
     assert baseline["steps_worse_than_baseline"] == 0
+    assert baseline["steps_worse_beyond_tie"] == baseline["steps_better_than_baseline"] == 0
+    assert baseline["most_worse"] == 0.0
     for shape in baseline["shapes"]:
         assert shape["steps"] == 2
         assert shape["moved"]["p50"] == pytest.approx(shape["base_moved"]["p50"])

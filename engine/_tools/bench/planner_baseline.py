@@ -11,6 +11,7 @@ import json
 import subprocess
 from typing import Any
 
+from evenflow.engine._planning import schedule
 from evenflow.engine._tools.bench.planner_cases import _TOLERANCE, _Case, _quantiles
 from evenflow.engine.errors import ConfigError
 
@@ -90,7 +91,8 @@ def _compare(cases: list[_Case], baseline: list[list[list[float]]]) -> dict[str,
     """Per shape and packer: the baseline's and this build's movement and makespans, and the
     steps on which this build's ``default`` has a larger makespan than the baseline's."""
     groups: dict[tuple[str, str, int, int], dict[str, list[float]]] = {}
-    worse = 0
+    worse = better = beyond_tie = 0
+    most_worse = 0.0
     for case, rows in zip(cases, baseline, strict=True):
         group = groups.setdefault(
             (case.distribution, case.packer, case.num_ranks, case.bins_per_rank),
@@ -107,6 +109,11 @@ def _compare(cases: list[_Case], baseline: list[list[list[float]]]) -> dict[str,
             group["base_ms"].append(cpu_ms)
             group["ms"].append(record.plan_cpu_ms[k])
             worse += record.objectives[k] > makespan * (1 + _TOLERANCE)
+            better += record.objectives[k] < makespan * (1 - _TOLERANCE)
+            # Within schedule.TIE the default prefers the layout that moves fewer samples.
+            beyond_tie += record.objectives[k] > makespan * (1 + schedule.TIE)
+            if makespan > 0:
+                most_worse = max(most_worse, record.objectives[k] / makespan - 1.0)
     shapes = []
     for (dist, packer, ranks, bins), values in sorted(groups.items()):
         shapes.append(
@@ -121,4 +128,10 @@ def _compare(cases: list[_Case], baseline: list[list[list[float]]]) -> dict[str,
                 },
             }
         )
-    return {"steps_worse_than_baseline": worse, "shapes": shapes}
+    return {
+        "steps_worse_than_baseline": worse,
+        "steps_worse_beyond_tie": beyond_tie,
+        "steps_better_than_baseline": better,
+        "most_worse": most_worse,
+        "shapes": shapes,
+    }

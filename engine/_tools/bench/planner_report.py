@@ -134,7 +134,10 @@ def _print_tables(doc: dict[str, Any], cases: list[_Case]) -> None:
             )
         print(
             f"steps where default's max cost exceeds the baseline's: "
-            f"{baseline['steps_worse_than_baseline']}"
+            f"{baseline['steps_worse_than_baseline']} "
+            f"({baseline['steps_worse_beyond_tie']} by more than the planner's tie, the most "
+            f"by {100 * baseline['most_worse']:.3f}%); below it: "
+            f"{baseline['steps_better_than_baseline']}"
         )
     print()
     print("planning time (ms, wall clock), p50/p99 over all plans of a shape")
