@@ -9,15 +9,21 @@ SIGKILLed worker) that fail every rank at one step and leave no worker behind.""
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from testkit.transforms import gloo_loader, gone, noisy, pack_noisy, stuck
+from testkit.transforms import (
+    failed_together,
+    failing_epoch,
+    gloo_loader,
+    gone,
+    noisy,
+    pack_noisy,
+    stuck,
+)
 
 from evenflow.transports.launch import RankPool, run_ranks
 
@@ -182,29 +188,7 @@ def _failing(rank: int, num_ranks: int, how: str) -> dict[str, Any]:
     bad = next(i for i, at in _positions(0).items() if at == (BAD_STEP, BAD_SLOT))
     transform = functools.partial(noisy, bad=bad) if how == "raise" else noisy
     source = _source(rank, 2, transform)
-    loader = _loader(source)
-    delivered, pids = 0, set()
-    try:
-        with loader:
-            loader.set_epoch(EPOCH)
-            for _ in loader:
-                delivered += 1
-                pids.update(source.worker_pids)
-                if how == "kill" and delivered == 2 and rank == 0:
-                    os.kill(source.worker_pids[0], signal.SIGKILL)
-        error: BaseException | None = None
-    except Exception as exc:
-        error = exc
-    pids.update(source.worker_pids)
-    assert error is not None, "the epoch did not fail"
-    return {
-        "delivered": delivered,
-        "type": type(error).__name__,
-        "text": "\n".join([str(error), *getattr(error, "__notes__", [])]),
-        "step": getattr(error, "step", None),
-        "pids": sorted(pids),
-        "gone": gone(sorted(pids)),
-    }
+    return failing_epoch(_loader(source), source, rank=rank, kill=how == "kill", epoch=EPOCH)
 
 
 @pytest.mark.parametrize("how", ["raise", "kill"])
@@ -212,16 +196,8 @@ def test_a_failing_stream_worker_fails_every_rank_at_one_step_and_leaves_no_proc
     pool: RankPool, how: str
 ) -> None:
     results = pool.run(_failing, how)
-    steps = {r["delivered"] for r in results}
-    assert len(steps) == 1, results  # every rank stopped at the same step
-    (step,) = steps
-    remote = [r for r in results if r["type"] == "RemoteStageError"]
-    own = [r for r in results if r["type"] != "RemoteStageError"]
-    assert len(own) >= 1, results
-    for r in remote:
-        assert r["step"] == step, r  # the peer's error names the step
+    step, own = failed_together(results)
     for r in results:
-        assert r["pids"] and r["gone"], r  # the workers are reaped: no orphan
         if how == "raise":
             # A stream has no dataset index: the error names the stream position.
             where = f"epoch {EPOCH}, step {BAD_STEP}, slot {BAD_SLOT}"

@@ -7,15 +7,21 @@ a hung one) that fail every rank at one step and leave no worker behind."""
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from testkit.transforms import gloo_loader, gone, noisy, pack_noisy, stuck
+from testkit.transforms import (
+    failed_together,
+    failing_epoch,
+    gloo_loader,
+    gone,
+    noisy,
+    pack_noisy,
+    stuck,
+)
 
 from evenflow.transports.launch import RankPool, run_ranks
 
@@ -176,28 +182,7 @@ def _failing(rank: int, num_ranks: int, how: str, mode: str) -> dict[str, Any]:
     # The hang is told by LoaderConfig.timeout, which also bounds the first reply of freshly
     # started workers (they unpickle the dataset): 8 s leaves a loaded host room for steps 0-2.
     loader = _loader(source, timeout=8.0 if how == "hang" else 30.0)
-    delivered, pids = 0, set()
-    try:
-        with loader:
-            for _ in loader:
-                delivered += 1
-                pids.update(source.worker_pids)
-                if how == "kill" and delivered == 2 and rank == 0:
-                    os.kill(source.worker_pids[0], signal.SIGKILL)
-        error: BaseException | None = None
-    except Exception as exc:
-        error = exc
-    pids.update(source.worker_pids)
-    assert error is not None, "the epoch did not fail"
-    return {
-        "delivered": delivered,
-        "type": type(error).__name__,
-        "text": "\n".join([str(error), *getattr(error, "__notes__", [])]),
-        "step": getattr(error, "step", None),
-        "pids": sorted(pids),
-        "gone": gone(sorted(pids)),
-        "bad": bad,
-    }
+    return {**failing_epoch(loader, source, rank=rank, kill=how == "kill"), "bad": bad}
 
 
 @pytest.mark.parametrize(
@@ -208,16 +193,8 @@ def test_a_failing_worker_fails_every_rank_at_one_step_and_leaves_no_process(
     pool: RankPool, how: str, mode: str
 ) -> None:
     results = pool.run(_failing, how, mode)
-    steps = {r["delivered"] for r in results}
-    assert len(steps) == 1, results  # every rank stopped at the same step
-    (step,) = steps
-    remote = [r for r in results if r["type"] == "RemoteStageError"]
-    own = [r for r in results if r["type"] != "RemoteStageError"]
-    assert len(own) >= 1, results
-    for r in remote:
-        assert r["step"] == step, r  # the peer's error names the step
+    step, own = failed_together(results)
     for r in results:
-        assert r["pids"] and r["gone"], r  # the workers are reaped: no orphan
         if how == "raise":
             assert f"dataset index {r['bad']}" in r["text"], r["text"]
             assert "this sample cannot be transformed" in r["text"]

@@ -1,13 +1,15 @@
 """What the transform-worker tests share: a randomized transform whose result carries an array
 large enough to come back through shared memory, one that hangs on a chosen sample, a pack
-that checks both and returns ``(id, noise, array value)``, a loader over a Gloo group, and a
-check that processes are gone.
+that checks both and returns ``(id, noise, array value)``, a loader over a Gloo group, a
+check that processes are gone, and an epoch that fails in the workers with the check that
+every rank failed together.
 
 The transforms are module-level functions so that worker processes can import them."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -81,3 +83,49 @@ def gone(pids: list[int]) -> bool:
             continue
         return False
     return True
+
+
+def failing_epoch(
+    loader: Any, source: Any, *, rank: int, kill: bool, epoch: int | None = None
+) -> dict[str, Any]:
+    """Run an epoch that must fail in the transform workers (with ``kill``, rank 0 SIGKILLs
+    its first worker by pid after two steps); what this rank delivered and raised, and whether
+    every worker it saw is gone."""
+    delivered, pids = 0, set()
+    try:
+        with loader:
+            if epoch is not None:
+                loader.set_epoch(epoch)
+            for _ in loader:
+                delivered += 1
+                pids.update(source.worker_pids)
+                if kill and delivered == 2 and rank == 0:
+                    os.kill(source.worker_pids[0], signal.SIGKILL)
+        error: BaseException | None = None
+    except Exception as exc:
+        error = exc
+    pids.update(source.worker_pids)
+    assert error is not None, "the epoch did not fail"
+    return {
+        "delivered": delivered,
+        "type": type(error).__name__,
+        "text": "\n".join([str(error), *getattr(error, "__notes__", [])]),
+        "step": getattr(error, "step", None),
+        "pids": sorted(pids),
+        "gone": gone(sorted(pids)),
+    }
+
+
+def failed_together(results: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """Check that every rank stopped at the same step (the peers' errors naming it) and
+    reaped its workers; the step, and the results of the ranks that raised their own error."""
+    steps = {r["delivered"] for r in results}
+    assert len(steps) == 1, results  # every rank stopped at the same step
+    (step,) = steps
+    own = [r for r in results if r["type"] != "RemoteStageError"]
+    assert len(own) >= 1, results
+    for r in results:
+        if r["type"] == "RemoteStageError":
+            assert r["step"] == step, r  # the peer's error names the step
+        assert r["pids"] and r["gone"], r  # the workers are reaped: no orphan
+    return step, own
