@@ -23,7 +23,7 @@ from evenflow.engine._planning import schedule
 from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.registry import resolve_algorithm
 from evenflow.engine._tools.bench.planner_peers import PEERS as _PEER_CLASSES
-from evenflow.engine.workloads import make_step
+from evenflow.engine.workloads import LengthMixture, make_step
 
 __all__ = ["ALGORITHMS", "PEERS"]
 
@@ -165,7 +165,11 @@ def _planners(
     return out
 
 
-def _plan_case(case: _Case, seed: int, planner_cls: Any) -> None:
+def _plan_case(
+    case: _Case, seed: int, planner_cls: Any, mixture: LengthMixture | None = None
+) -> None:
+    """Plan ``case``'s steps of its distribution (or of ``mixture``, for the held-out sweep)
+    with every algorithm and peer, recording them in ``case``."""
     planners = _planners(
         planner_cls,
         case.num_ranks,
@@ -176,7 +180,7 @@ def _plan_case(case: _Case, seed: int, planner_cls: Any) -> None:
     )
     for step in range(case.num_steps):
         samples, reference_bins = make_step(
-            case.distribution,
+            case.distribution if mixture is None else mixture,
             case.packer,
             num_ranks=case.num_ranks,
             bins_per_rank=case.bins_per_rank,

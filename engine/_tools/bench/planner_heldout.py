@@ -20,11 +20,9 @@ from typing import Any
 from evenflow.engine._tools.bench.planner_cases import (
     _LINEAR,
     _TIE,
-    ALGORITHMS,
     PEERS,
     _Case,
-    _plan_step,
-    _planners,
+    _plan_case,
     _quantiles,
 )
 from evenflow.engine.workloads import (
@@ -34,7 +32,6 @@ from evenflow.engine.workloads import (
     LengthMixture,
     LogNormal,
     LogUniform,
-    make_step,
 )
 
 __all__ = ["HELDOUT_MIXES", "print_heldout", "run_heldout"]
@@ -117,7 +114,7 @@ def run_heldout(
                         a,
                         steps or default_steps,
                     )
-                    _plan_heldout_case(case, mixture, seed + _SEED_OFFSET, planner_cls)
+                    _plan_case(case, seed + _SEED_OFFSET, planner_cls, mixture)
                     cases.append(case)
     groups: dict[tuple[str, str, int, int], list[_Case]] = {}
     for case in cases:
@@ -158,28 +155,6 @@ def run_heldout(
     }
 
 
-def _plan_heldout_case(case: _Case, mixture: LengthMixture, seed: int, planner_cls: Any) -> None:
-    planners = _planners(
-        planner_cls,
-        case.num_ranks,
-        case.bins_per_rank,
-        case.seq_len,
-        case.linear,
-        names=(*ALGORITHMS, *PEERS),
-    )
-    for step in range(case.num_steps):
-        samples, reference_bins = make_step(
-            mixture,
-            case.packer,
-            num_ranks=case.num_ranks,
-            bins_per_rank=case.bins_per_rank,
-            seq_len=case.seq_len,
-            seed=seed,
-            step=step,
-        )
-        _plan_step(case, planners, samples, reference_bins, step)
-
-
 def _bound_ratios(case: _Case, name: str) -> list[float]:
     """Max rank cost over the proven lower bound, per step (``gap`` is ``ratio - 1``)."""
     default = case.algos["default"]
@@ -214,9 +189,7 @@ def _wins(cases: list[_Case]) -> dict[str, int]:
 def _any_win_steps(case: _Case) -> int:
     """Steps of ``case`` on which the source or any peer is below the default's max cost."""
     default = case.algos["default"].objectives
-    return sum(
-        min(_others(case, k).values()) < mine * (1 - _TIE) for k, mine in enumerate(default)
-    )
+    return sum(min(_others(case, k).values()) < mine * (1 - _TIE) for k, mine in enumerate(default))
 
 
 def _fmt(q: dict[str, float | None]) -> str:
