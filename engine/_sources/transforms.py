@@ -120,7 +120,7 @@ class SampleTransforms:
         wanted = [int(i) for i in indices]
         if self.workers:
             pool = self._workers()
-            return self._pooled(pool, pool.run(wanted, epoch, self.timeout) if wanted else [])
+            return self._pooled(pool, pool.run(wanted, epoch, self.timeout))
         started = time.perf_counter()
         samples = read_samples(self._dataset, wanted)
         if self._transform is None:
