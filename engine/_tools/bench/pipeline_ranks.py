@@ -9,7 +9,6 @@ described in :mod:`evenflow.engine._tools.bench.pipeline`, which runs the worlds
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +21,10 @@ from evenflow.engine._config import LoaderConfig
 from evenflow.engine._model import SampleKey, SampleMetadata
 from evenflow.engine._pipeline.loader import BalancedLoader
 from evenflow.engine._pipeline.pack import default_pack_fn
-from evenflow.engine._planning.cost import QuadraticCost
 from evenflow.engine._planning.planner import Planner
-from evenflow.engine._tools.bench.pipeline_window import run_window_cases
+from evenflow.engine._tools.bench.pipeline_window import _seconds_per_cost, _train, run_window_cases
 from evenflow.engine._tracing import Tracer
-from evenflow.engine.workloads import make_step, step_source
+from evenflow.engine.workloads import step_source
 from evenflow.transports import GlooTransport
 
 __all__ = ["BINS", "CONFIGS", "MODES", "SEQ_LEN", "bench_rank"]
@@ -50,34 +48,6 @@ def _source(rank: int, steps: int, seed: int) -> Iterator[Any]:
         seed=seed,
         num_steps=steps,
     )
-
-
-def _seconds_per_cost(num_ranks: int, seed: int, target_s: float) -> float:
-    """Sleep seconds per unit of planned cost so the mean rank computes ``target_s``."""
-
-    cost = QuadraticCost()
-    totals = []
-    for step in range(8):
-        samples, _ = make_step(
-            "sft",
-            "firstfit",
-            num_ranks=num_ranks,
-            bins_per_rank=BINS,
-            seq_len=SEQ_LEN,
-            seed=seed + 1000,
-            step=step,
-        )
-        totals.append(sum(cost(meta) for _, meta in samples) / num_ranks)
-    return target_s / statistics.fmean(totals)
-
-
-def _train(seconds: float) -> None:
-    """The simulated step: compute (GIL released), then wait for every rank (DDP-style)."""
-    import torch
-    import torch.distributed as dist
-
-    time.sleep(seconds)
-    dist.all_reduce(torch.zeros(1))
 
 
 class _Reference:
@@ -257,7 +227,17 @@ def bench_rank(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any
     import torch
 
     torch.set_num_threads(1)
-    spec = dict(spec, seconds_per_cost=_seconds_per_cost(num_ranks, spec["seed"], spec["target_s"]))
+    spec = dict(
+        spec,
+        seconds_per_cost=_seconds_per_cost(
+            num_ranks,
+            spec["seed"],
+            spec["target_s"],
+            distribution="sft",
+            bins=BINS,
+            seq_len=SEQ_LEN,
+        ),
+    )
     results: dict[str, Any] = {}
     for mode in MODES:
         for config_name in CONFIGS:

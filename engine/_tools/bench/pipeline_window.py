@@ -50,16 +50,26 @@ def _source(rank: int, steps: int, seed: int) -> Iterator[Any]:
     )
 
 
-def _seconds_per_cost(num_ranks: int, seed: int, target_s: float) -> float:
+def _seconds_per_cost(
+    num_ranks: int,
+    seed: int,
+    target_s: float,
+    *,
+    distribution: str,
+    bins: int,
+    seq_len: int,
+) -> float:
+    """Sleep seconds per unit of planned cost so that the mean rank of ``distribution``'s
+    first-fit steps computes ``target_s``."""
     cost = QuadraticCost()
     totals = []
     for step in range(8):
         samples, _ = make_step(
-            _DISTRIBUTION,
+            distribution,
             "firstfit",
             num_ranks=num_ranks,
-            bins_per_rank=_BINS,
-            seq_len=_SEQ_LEN,
+            bins_per_rank=bins,
+            seq_len=seq_len,
             seed=seed + 1000,
             step=step,
         )
@@ -68,6 +78,7 @@ def _seconds_per_cost(num_ranks: int, seed: int, target_s: float) -> float:
 
 
 def _train(seconds: float) -> None:
+    """The simulated step: compute (GIL released), then wait for every rank (DDP-style)."""
     import torch
     import torch.distributed as dist
 
@@ -114,7 +125,14 @@ def _run(window: int, rank: int, spec: dict[str, Any], k: float) -> dict[str, An
 
 def run_window_cases(rank: int, num_ranks: int, spec: dict[str, Any]) -> dict[str, Any]:
     """On a rank: the workload with ``balance_window`` 1 and ``spec["window"]``, in turn."""
-    k = _seconds_per_cost(num_ranks, spec["seed"], spec["target_s"])
+    k = _seconds_per_cost(
+        num_ranks,
+        spec["seed"],
+        spec["target_s"],
+        distribution=_DISTRIBUTION,
+        bins=_BINS,
+        seq_len=_SEQ_LEN,
+    )
     return {str(w): _run(w, rank, spec, k) for w in (1, spec["window"])}
 
 
