@@ -102,6 +102,24 @@ int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_ssize_t
         room[k] = s->seq_len - s->bin_tok[yl];
         gap_of[k] = top - s->load[yl / per];
     }
+    /* Per bin of partners (a run of starts k0 .. stop[k0] - 1), when costs are >= 0: the
+       cheapest first two samples of any start (cp[k + 2] - cp[k], the least a run from k
+       costs), at k0. A candidate the per-start window test below rejects at every start of
+       a bin is rejected for the whole bin at once: its cheapest run is that minimum and its
+       costliest cp[stop] - cp[k0], and subtraction is monotone, so each start's test fails
+       whenever the bin's does. (s->lld is free here: only the swap family uses it.) */
+    double *cheapest_pair = s->lld;
+    if (nonneg) {
+        for (Py_ssize_t k0 = 0; k0 < m; k0 = stop[k0]) {
+            double least = INFINITY;
+            for (Py_ssize_t k = k0; k < stop[k0]; k++) {
+                if (stop[k] < k + 2) continue;
+                double pair = cp[k + 2] - cp[k];
+                if (pair < least) least = pair;
+            }
+            cheapest_pair[k0] = least;
+        }
+    }
     double best_score = INFINITY;
     int64_t brow = -1, bs = -1, be = -1;
     for (int pass = 0; pass < 2; pass++) {
@@ -124,6 +142,12 @@ int exchange_family(search_t *s, int64_t a, const int64_t *heavy_all, Py_ssize_t
                for every start, in linear rather than n log n steps). */
             Py_ssize_t e = 0;
             for (Py_ssize_t k = 0; k < m; k++) {
+                if (nonneg && (k == 0 || stop[k - 1] == k) &&
+                    (!(ch - cheapest_pair[k] > tol) ||
+                     !(ch - (cp[stop[k]] - cp[k]) < gap_of[k] - tol))) {
+                    k = stop[k] - 1; /* no start of this bin can qualify */
+                    continue;
+                }
                 if (stop[k] < k + 2) continue; /* a run needs two samples of k's bin */
                 /* With costs >= 0 a run from k costs at least its first two samples and at
                    most the rest of k's bin (cp never decreases, nor do differences of it from
