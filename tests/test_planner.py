@@ -175,7 +175,7 @@ def test_last_costs_and_identity() -> None:
     assert identity["num_ranks"] == 2
     assert identity["seq_len"] == 100
     assert identity["cost_model"].endswith("token_cost")
-    assert planner().identity()["algorithm"] == "refine-v14"
+    assert planner().identity()["algorithm"] == "refine-v15"
 
 
 def test_component_cost_with_max_scores_ranks_by_their_slowest_component() -> None:

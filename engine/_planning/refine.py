@@ -35,14 +35,16 @@ never dead-ends and is never worse than either of them:
    bin (one bin per rank); alternated with the first phase while it finds changes. Multi-bin
    steps also start from whole bins split by Karmarkar-Karp differencing (``kk.py``).
 5. **Finish**: the best layout is settled (ranks and bins relabelled towards the source,
-   samples sent home where the makespan allows: ``settle.py``), with LPT too when it is
-   within 0.1% (settling can lower a makespan). Under the makespan objective the search is
-   also run from the source layout, stopping as soon as it is as good as the best; among
-   equal scores the layout that moves fewest samples wins and is settled again, thoroughly:
-   LPT, dealt and differenced bins start from scratch and move nearly every sample, a search
-   from the source only what balance needs. Where ranks hold few samples, a second search
-   from the source, with more attempts, aims at that final score and replaces the layout
-   when it moves fewer samples.
+   samples sent home where the makespan allows: ``settle.py``; settling can lower a
+   makespan). Under the makespan objective the search is then run from the source layout,
+   stopping as soon as it is as good as the best: LPT, dealt and differenced bins start from
+   scratch and move nearly every sample, a search from the source only what balance needs,
+   so when it gets there it is the plan (settled plainly, then thoroughly). Otherwise the
+   other starts within 0.1% of the best are settled too (LPT, the greedy sample LPT, KK over
+   bins), the best score wins, among equal scores the layout that moves fewest samples, and
+   it is settled again, thoroughly. Where ranks hold few samples, a second search from the
+   source, with more attempts, aims at that final score and replaces the layout when it
+   moves fewer samples.
 
 What runs, in which order and with which budget, is data: ``schedule.DEFAULT`` (starts, the
 search's phases, the finalists and the finish's stages), which :meth:`RefineAlgorithm.assign`
@@ -105,7 +107,7 @@ class RefineAlgorithm:
     """
 
     name = "refine"
-    algorithm_id = "refine-v14"
+    algorithm_id = "refine-v15"
 
     def __init__(self, *, max_iterations: int | None = None) -> None:
         self.max_iterations = check_optional_int("max_iterations", max_iterations, minimum=0)
@@ -229,13 +231,21 @@ class RefineAlgorithm:
         score, moved = settler.score_of, settler.moved_of
         thorough = {"plain": False, "thorough": True}
         layouts = list(finalists)
-        scores: list[float] = []
+        scores = [score(lay) for lay in layouts]
         chosen = layouts[0]
         for stage in stages:
             if isinstance(stage, schedule.Settle) and stage.what == "finalists":
                 wide = thorough[stage.how]
-                layouts = [settler.settled(f, thorough=wide) for f in layouts]
+                # A finalist an earlier stage settled plainly is not settled again.
+                layouts = [
+                    f if f.settled and not wide else settler.settled(f, thorough=wide)
+                    for f in layouts
+                ]
                 scores = [score(lay) for lay in layouts]
+            elif isinstance(stage, schedule.Settle) and stage.what == "best":
+                k = scores.index(min(scores))
+                layouts[k] = settler.settled(layouts[k], thorough=thorough[stage.how])
+                scores[k] = score(layouts[k])
             elif isinstance(stage, schedule.Settle):
                 chosen = settler.settled(chosen, thorough=thorough[stage.how])
             elif isinstance(stage, schedule.Choose):
@@ -261,6 +271,21 @@ class RefineAlgorithm:
                     reach = stop = score(chosen)
                 stay = self._stay(problem, source, budget, stage, stop, reach)
                 if stay is None:
+                    continue
+                if stage.keep == "plan":
+                    # Settled by the first of its settles, the plan when it is within half
+                    # the tie of every finalist as it stands (the best one settled by the
+                    # schedule, the others not: the other half is for what settling them
+                    # could gain); settled by the rest, it ends the finish. Else it is a
+                    # finalist.
+                    stay = settler.settled(stay, thorough=thorough[stage.settles[0]])
+                    if score(stay) <= min(scores) * (1.0 + schedule.TIE / 2):
+                        for how in stage.settles[1:]:
+                            stay = settler.settled(stay, thorough=thorough[how])
+                        chosen = stay
+                        break
+                    layouts.insert(0, stay)
+                    scores.insert(0, score(stay))
                     continue
                 for how in stage.settles:
                     stay = settler.settled(stay, thorough=thorough[how])

@@ -204,6 +204,7 @@ def lockstep_budget(positions: int, ranks: int) -> int:
     one round)."""
     return max(min(LOCKSTEP_PASSES * positions, LOCKSTEP_MAX_WORK // ranks), positions)
 
+
 # ---------------------------------------------------------------------------- the core's
 
 # The compiled core's tuning constants: name -> (value, file, what it tunes). Each is a
@@ -333,10 +334,11 @@ class Search:
 
 @dataclass(frozen=True, slots=True)
 class Settle:
-    """Settle the finalists (``what="finalists"``) or the chosen layout (``"chosen"``),
-    ``"plain"`` or ``"thorough"`` (``settle.Settler``)."""
+    """Settle the finalists (``what="finalists"``; one an earlier stage settled plainly is
+    not settled again), the best-scoring finalist alone (``"best"``) or the chosen layout
+    (``"chosen"``), ``"plain"`` or ``"thorough"`` (``settle.Settler``)."""
 
-    what: Literal["finalists", "chosen"]
+    what: Literal["finalists", "best", "chosen"]
     how: Literal["plain", "thorough"]
 
 
@@ -348,19 +350,24 @@ class Choose:
 
 @dataclass(frozen=True, slots=True)
 class FromSource:
-    """A search from the source layout that stops once it reaches ``aim``: the best settled
-    finalist's makespan (``"best finalist"``) or the chosen layout's score (``"chosen"``).
+    """A search from the source layout that stops once it reaches ``aim``: the best
+    finalist's makespan (``"best finalist"``: settled when an earlier stage settled the
+    finalists, else as searched) or the chosen layout's score (``"chosen"``).
     It runs under the makespan objective on steps :func:`stays_from_source` admits, when its
     budget is positive. Stopped short within ``go_on_within`` of the aim, it goes on from
     where it stopped for ``go_on_share`` of its attempts (second phase without knapsack).
     Reaching the aim within the packing budgets, it is settled by ``settles`` in turn and
     ``keep``: joins the finalists (``"finalist"``) or replaces the chosen layout when it
-    still scores no higher and moves fewer samples (``"fewer moved"``)."""
+    still scores no higher and moves fewer samples (``"fewer moved"``). With ``"plan"`` it
+    is settled by the first of ``settles``; when it then scores within half of :data:`TIE`
+    of every finalist as it stands (the other half is for what settling a finalist could
+    gain), it is settled by the rest and is the plan (the finish ends there), else it joins
+    the finalists."""
 
     search: Search
     aim: Literal["best finalist", "chosen"]
     settles: tuple[Literal["plain", "thorough"], ...]
-    keep: Literal["finalist", "fewer moved"]
+    keep: Literal["plan", "finalist", "fewer moved"]
     go_on_within: float = 0.0
     go_on_share: float = 0.0
 
@@ -414,15 +421,32 @@ DEFAULT = Schedule(
     close_starts=("lpt", "sample lpt", "kk bins"),
     close=CLOSE,
     finish=(
-        Settle("finalists", "plain"),
+        Settle("best", "plain"),
+        # The search from the source first, aiming at the best finalist settled: where it
+        # gets there it moves only what balance needs and is the plan, so the other
+        # finalists need no settling and the second search from the source no run. Settling
+        # every finalist first took 1.7-4.9 plain settles a plan, the largest part of it at
+        # 16 bins a rank. Against that order (CPU per plan, least of 3 runs, 30 steps a
+        # shape, p50 ms): sft bfd 8 x 16 7.12 -> 5.51, pretrain first-fit 8 x 16 4.38 ->
+        # 3.13, longctx first-fit 8 x 4 1.13 -> 0.93 and 64 x 4 4.83 -> 4.31, sft bfd 64 x 4
+        # 28.1 -> 26.9, sft bfd 8 x 4 unchanged (2.2); moved fractions equal within 0.006 on
+        # every shape of ``evenflow bench planner --ranks 8 64 --bins 1 4 16``, 0 of 792
+        # held-out steps where a peer wins. The price: a finalist left unsettled could have
+        # settled lower, so 25 of its 648 steps plan a higher max cost than before (2 beyond
+        # the tie, by at most 0.042%; 11 lower), and of planner_digests.py's 4,369 steps 78
+        # changed (50 higher, 14 lower), 17 beyond the tie, the most by 0.136% (sft 4 x 2,
+        # a = 24,576). The stay must come within half the tie of every finalist as it
+        # stands: within the tie of the best settled alone, a held-out code step (8 x 4,
+        # bfd) lost to the settled greedy sample LPT by 1.04e-4.
         FromSource(
             Search(budget=_first_stay_budget, rounds=_stay_rounds, knapsack=True),
             aim="best finalist",
-            settles=("plain",),
-            keep="finalist",
+            settles=("plain", "thorough"),
+            keep="plan",
             go_on_within=STAY_CLOSE,
             go_on_share=STAY_MORE,
         ),
+        Settle("finalists", "plain"),
         Choose(),
         Settle("chosen", "thorough"),
         FromSource(
