@@ -711,14 +711,17 @@ done:
     return result;
 }
 
-/* Defined in _settle.c, _polish.c and _bound.c (the search's other files, _search.c, _move.c,
-   _swap.c, _exchange.c, _wide_move.c and _subset.c, define no method). */
+/* Defined in _settle.c, _polish.c, _bound.c, _grouped.c and _whole_bins.c (the search's other
+   files, _search.c, _move.c, _swap.c, _exchange.c, _wide_move.c, _subset.c and the grouped
+   search's families, define no method). */
 PyObject *evenflow_settle(PyObject *self, PyObject *args);
 int evenflow_settle_constants(PyObject *mod);
 int evenflow_polish_constants(PyObject *mod);
 PyObject *evenflow_polish(PyObject *self, PyObject *args);
 PyObject *evenflow_heavy_bound(PyObject *self, PyObject *args);
 PyObject *evenflow_grouped_search(PyObject *self, PyObject *args); /* _grouped.c */
+PyObject *evenflow_deal_bins(PyObject *self, PyObject *args);       /* _whole_bins.c */
+PyObject *evenflow_kk_bins(PyObject *self, PyObject *args);         /* _whole_bins.c */
 
 static PyMethodDef methods[] = {
     {"lpt", lpt, METH_VARARGS, "The reference greedy, with or without budgets (see lpt.py)."},
@@ -734,6 +737,10 @@ static PyMethodDef methods[] = {
      "Bound 5 of a step's makespan, heavy ranks and tokens (see bounds.py)."},
     {"grouped_search", evenflow_grouped_search, METH_VARARGS,
      "The grouped search of lockstep plans and windows (see grouped.py)."},
+    {"deal_bins", evenflow_deal_bins, METH_VARARGS,
+     "Whole bins dealt to the least loaded rank (the 'dealt bins' start, see refine.py)."},
+    {"kk_bins", evenflow_kk_bins, METH_VARARGS,
+     "Whole bins split by Karmarkar-Karp differencing (the 'kk bins' start, see kk.py)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,8 +24,10 @@ __all__ = [
     "CORE_VERSION",
     "core_identity",
     "cost_order",
+    "deal_bins",
     "grouped_search",
     "heavy_bound",
+    "kk_bins",
     "lpt",
     "polish",
     "refine_search",
@@ -202,6 +204,22 @@ def settle(
 
 
 _NO_ORDER = np.zeros(0, dtype=np.int64)
+
+
+def deal_bins(bin_cost: np.ndarray, order: np.ndarray, ranks: int, per: int) -> np.ndarray:
+    """The source bin at every new position when the bins, in ``order``, each go to the least
+    loaded rank that still lacks a bin (``kk.deal_bins``)."""
+    dealt = np.empty(bin_cost.size, dtype=np.int64)
+    _core.deal_bins(_f64(bin_cost), _i64(order), dealt, ranks, per)
+    return dealt
+
+
+def kk_bins(bin_cost: np.ndarray, order: np.ndarray, ranks: int, per: int) -> np.ndarray:
+    """The source bin at every new position when the bins, sliced in ``order``, are split by
+    Karmarkar-Karp differencing (``kk.kk_bins``)."""
+    dealt = np.empty(bin_cost.size, dtype=np.int64)
+    _core.kk_bins(_f64(bin_cost), _i64(order), dealt, ranks, per)
+    return dealt
 
 
 def cost_order(problem: BalanceProblem) -> np.ndarray:

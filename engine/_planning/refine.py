@@ -73,13 +73,12 @@ its components.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import numpy as np
 
 from evenflow.engine._planning import schedule
-from evenflow.engine._planning.kk import kk_bins
+from evenflow.engine._planning.kk import deal_bins, kk_bins
 from evenflow.engine._planning.lockstep import lockstep_assign
 from evenflow.engine._planning.lpt import lpt_layout, sample_lpt_layout
 from evenflow.engine._planning.objectives import lockstep, makespan
@@ -187,7 +186,7 @@ class RefineAlgorithm:
         if name == "sample lpt":
             return self._sample_greedy(problem)
         if name == "dealt bins":
-            return _deal_bins(problem, source)
+            return deal_bins(problem, source)
         if name == "kk bins":
             return kk_bins(problem, source)
         raise ValueError(f"The schedule names an unknown start {name!r}.")
@@ -402,30 +401,6 @@ def _known(layout: FlatLayout, rank_of: np.ndarray) -> tuple[FlatLayout, np.ndar
 def _score_of(problem: BalanceProblem, rank_of: np.ndarray) -> float:
     """``problem.score`` of the layout whose samples go to ranks ``rank_of``."""
     return float(problem.objective(problem.rank_costs_of(rank_of)))
-
-
-def _deal_bins(problem: BalanceProblem, source: FlatLayout) -> FlatLayout:
-    """Whole bins dealt heaviest first to the least-loaded rank that still lacks a bin."""
-    flat, sizes = source.flat, source.sizes
-    num_bins = sizes.size
-    bin_ids = np.repeat(np.arange(num_bins, dtype=np.int64), sizes)
-    bin_costs = np.bincount(bin_ids, weights=problem.costs[flat], minlength=num_bins)
-    order = np.lexsort((np.arange(num_bins), -bin_costs)).tolist()
-    costs: list[float] = bin_costs.tolist()
-    per_rank = problem.bins_per_rank
-    heap = [(0.0, r) for r in range(problem.num_ranks)]
-    held: list[list[int]] = [[] for _ in range(problem.num_ranks)]
-    for b in order:
-        load, r = heapq.heappop(heap)
-        held[r].append(b)
-        if len(held[r]) < per_rank:
-            heapq.heappush(heap, (load + costs[b], r))
-    dealt = [b for rank_bins in held for b in rank_bins]  # new position -> source bin
-    position = np.empty(num_bins, dtype=np.int64)
-    position[dealt] = np.arange(num_bins, dtype=np.int64)
-    # Samples keep their order within a bin; bins move as wholes.
-    moved = np.argsort(position[bin_ids], kind="stable")
-    return FlatLayout(flat[moved], sizes[dealt])
 
 
 def _budgets_hold(problem: BalanceProblem, bins: Sequence[Sequence[int]]) -> bool:
