@@ -81,6 +81,14 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
         "--seq-len", type=int, help="sequence length (default: each distribution's own)"
     )
     parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="plan every step this many times and report the least CPU and wall time of "
+        "each plan, in this build and the --baseline one (default 1; 3 steadies the "
+        "figures on a shared machine)",
+    )
+    parser.add_argument(
         "--exact-instances", type=int, help="small instances solved exactly (default 50)"
     )
     parser.add_argument(
@@ -145,7 +153,7 @@ def _check_args(args: argparse.Namespace) -> None:
     for value in args.linear or ():
         if not (np.isfinite(value) and value >= 0):
             raise ConfigError(f"--linear values must be finite and >= 0, but got {value!r}.")
-    for name in ("steps", "seq_len"):
+    for name in ("steps", "seq_len", "repeat"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, but got {value!r}.")
@@ -236,7 +244,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
     started = time.perf_counter()
     _warm_up(planner_cls)
     for case in cases:
-        _plan_case(case, args.seed, planner_cls)
+        _plan_case(case, args.seed, planner_cls, repeat=args.repeat)
     exact_instances = args.exact_instances
     if exact_instances is None:
         exact_instances = 4 if args.quick else 50
@@ -248,7 +256,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
     comparison = None
     if args.baseline:
         try:
-            comparison = _compare(cases, _run_baseline(args.baseline, cases, args.seed))
+            baseline = _run_baseline(args.baseline, cases, args.seed, repeat=args.repeat)
+            comparison = _compare(cases, baseline)
         except ConfigError as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
             return 2
@@ -262,6 +271,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "evenflow bench planner"
             "packers": sorted({c.packer for c in cases}),
             "seed": args.seed,
             "quick": args.quick,
+            "repeat": args.repeat,
             "algorithms": list(ALGORITHMS),
             "core": _core_name(),
         },
