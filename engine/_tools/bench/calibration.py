@@ -311,8 +311,15 @@ def _targets(repeats: list[dict[str, Any]]) -> list[dict[str, Any]]:
     error = statistics.median(r["arms"]["calibrating"]["median_error_last"] for r in repeats)
     spread = max(
         0.02,
-        max((abs(a["arms"][n]["step_time_vs_off"] - b["arms"][n]["step_time_vs_off"])
-             for a in repeats for b in repeats for n in ARMS), default=0.0),
+        max(
+            (
+                abs(a["arms"][n]["step_time_vs_off"] - b["arms"][n]["step_time_vs_off"])
+                for a in repeats
+                for b in repeats
+                for n in ARMS
+            ),
+            default=0.0,
+        ),
     )
     slowest = max(r["arms"][n]["step_time_vs_off"] for r in repeats for n in ARMS if n != "off")
     return [
@@ -398,8 +405,10 @@ def _build_parser(prog: str) -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=0, help="workload seed (default 0)")
     parser.add_argument(
-        "--deadline", type=float, default=600.0, help="seconds per repeat before its ranks are "
-        "killed (default 600)"
+        "--deadline",
+        type=float,
+        default=600.0,
+        help="seconds per repeat before its ranks are killed (default 600)",
     )
     add_report_only(parser)
     return parser

@@ -56,7 +56,12 @@ def _line(name: str, plan: Any) -> str:
 def _step(distribution: str, packer: str, ranks: int, bins: int, step: int) -> Any:
     seq_len = DISTRIBUTIONS[distribution].default_seq_len
     return make_step(
-        distribution, packer, num_ranks=ranks, bins_per_rank=bins, seq_len=seq_len, seed=7,
+        distribution,
+        packer,
+        num_ranks=ranks,
+        bins_per_rank=bins,
+        seq_len=seq_len,
+        seed=7,
         step=step,
     )
 
@@ -93,8 +98,12 @@ def _sweep(quick: bool) -> Iterator[str]:
                     for objective in objectives:
                         for label, algorithm in algorithms:
                             planner = Planner(
-                                num_ranks=ranks, bins_per_rank=bins, seq_len=seq_len,
-                                cost_model=model, algorithm=algorithm, objective=objective,
+                                num_ranks=ranks,
+                                bins_per_rank=bins,
+                                seq_len=seq_len,
+                                cost_model=model,
+                                algorithm=algorithm,
+                                objective=objective,
                             )
                             for step in range(1 if quick else steps):
                                 samples, reference = _step(distribution, packer, ranks, bins, step)
@@ -109,8 +118,11 @@ def _sweep(quick: bool) -> Iterator[str]:
                             samples, most = _with_budget(samples, reference)
                             for budget in (most, most * 1.5):
                                 planner = Planner(
-                                    num_ranks=ranks, bins_per_rank=bins, seq_len=seq_len,
-                                    cost_model=model, packing_budgets={"patches": budget},
+                                    num_ranks=ranks,
+                                    bins_per_rank=bins,
+                                    seq_len=seq_len,
+                                    cost_model=model,
+                                    packing_budgets={"patches": budget},
                                 )
                                 name = (
                                     f"{distribution}/{packer}/{ranks}x{bins}/budget={budget:g}/"
@@ -123,8 +135,10 @@ def _sweep(quick: bool) -> Iterator[str]:
         samples, reference = make_step(
             "sft", "firstfit", num_ranks=1024, bins_per_rank=4, seq_len=16384, seed=7, step=0
         )
-        yield _line("sft/firstfit/1024x4/a=24576/makespan/default/step0",
-                    planner.plan(samples, reference, 0))
+        yield _line(
+            "sft/firstfit/1024x4/a=24576/makespan/default/step0",
+            planner.plan(samples, reference, 0),
+        )
     yield from _windows(quick)
 
 
@@ -134,19 +148,27 @@ def _windows(quick: bool) -> Iterator[str]:
         seq_len = DISTRIBUTIONS[distribution].default_seq_len
         for ranks, bins in shapes:
             for cost_name in ("quadratic",) if quick else ("quadratic", "flops"):
-                model = QuadraticCost(linear=4096.0) if cost_name == "quadratic" else FlopsCost(
-                    _LLAMA3_8B
+                model = (
+                    QuadraticCost(linear=4096.0)
+                    if cost_name == "quadratic"
+                    else FlopsCost(_LLAMA3_8B)
                 )
                 for objective in ("makespan", "lockstep"):
                     planner = Planner(
-                        num_ranks=ranks, bins_per_rank=bins, seq_len=seq_len,
-                        cost_model=model, objective=objective,
+                        num_ranks=ranks,
+                        bins_per_rank=bins,
+                        seq_len=seq_len,
+                        cost_model=model,
+                        objective=objective,
                     )
                     columns = []
                     for step in range(4):
                         samples, reference = _step(distribution, "firstfit", ranks, bins, step)
                         got, _ = columns_of_samples(
-                            samples, reference, num_ranks=ranks, bins_per_rank=bins,
+                            samples,
+                            reference,
+                            num_ranks=ranks,
+                            bins_per_rank=bins,
                             constraints=planner.constraints,
                         )
                         columns.append(got)
