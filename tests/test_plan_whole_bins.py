@@ -42,12 +42,15 @@ def test_the_core_deals_and_differences_bins_as_the_oracle(
             assert sorted(got) == list(range(costs.size))  # every bin once
 
 
-def test_the_core_refuses_an_order_that_misses_a_bin() -> None:
+def test_the_core_refuses_an_order_that_is_not_every_bin_once() -> None:
     costs = np.ones(4)
     with pytest.raises(ValueError, match="every bin once"):
         native.kk_bins(costs, np.array([0, 1, 2, 7]), 2, 2)
     with pytest.raises(ValueError, match="every bin once"):
         native.deal_bins(costs, np.array([0, 1, 2, -1]), 2, 2)
+    for core in (native.kk_bins, native.deal_bins):  # a bin twice, another missing
+        with pytest.raises(ValueError, match="every bin once"):
+            core(costs, np.array([0, 1, 1, 3]), 2, 2)
 
 
 @pytest.mark.parametrize("distribution", ["sft", "longctx"])

@@ -33,6 +33,60 @@ static int whole_check(Py_buffer *view, const char *name, Py_ssize_t itemsize, P
     return 0;
 }
 
+/* The arguments both starts take, parsed and checked: (bin_cost, order, dealt, ranks, per). */
+typedef struct {
+    Py_buffer cost_b, order_b, dealt_b;
+    Py_ssize_t ranks, per, nb;
+    const double *cost;
+    const int64_t *order;
+    int64_t *dealt;
+} whole_args_t;
+
+/* 1 when parsed and checked, 0 with an exception set (and nothing left to release) or -1
+   with an exception set and the buffers to release (whole_release). */
+static int whole_args(PyObject *args, const char *name, whole_args_t *w) {
+    if (!PyArg_ParseTuple(args, "y*y*w*nn", &w->cost_b, &w->order_b, &w->dealt_b, &w->ranks,
+                          &w->per)) {
+        return 0;
+    }
+    if (w->ranks < 1 || w->per < 1 || w->per > PY_SSIZE_T_MAX / w->ranks) {
+        PyErr_Format(PyExc_ValueError, "%s: need ranks, per_rank >= 1", name);
+        return -1;
+    }
+    w->nb = w->ranks * w->per;
+    if (whole_check(&w->cost_b, "bin_cost", sizeof(double), w->nb) ||
+        whole_check(&w->order_b, "order", sizeof(int64_t), w->nb) ||
+        whole_check(&w->dealt_b, "dealt", sizeof(int64_t), w->nb)) {
+        return -1;
+    }
+    w->cost = (const double *)w->cost_b.buf;
+    w->order = (const int64_t *)w->order_b.buf;
+    w->dealt = (int64_t *)w->dealt_b.buf;
+    unsigned char *seen = (unsigned char *)calloc((size_t)w->nb, 1);
+    if (seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    int once = 1; /* a permutation of the bins: a bin twice would thread a part onto itself */
+    for (Py_ssize_t k = 0; k < w->nb && once; k++) {
+        int64_t b = w->order[k];
+        once = b >= 0 && b < w->nb && !seen[b];
+        if (once) seen[b] = 1;
+    }
+    free(seen);
+    if (!once) {
+        PyErr_Format(PyExc_ValueError, "%s: order must list every bin once", name);
+        return -1;
+    }
+    return 1;
+}
+
+static void whole_release(whole_args_t *w) {
+    PyBuffer_Release(&w->cost_b);
+    PyBuffer_Release(&w->order_b);
+    PyBuffer_Release(&w->dealt_b);
+}
+
 /* (load, rank) pairs of a min-heap, ordered as Python orders the tuples. */
 typedef struct {
     double load;
@@ -71,27 +125,14 @@ static slot_t slot_pop(slot_t *heap, Py_ssize_t *size) {
 
 /* deal_bins(bin_cost, order, dealt, ranks, per): see the file comment. */
 PyObject *evenflow_deal_bins(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer cost_b, order_b, dealt_b;
-    Py_ssize_t ranks, per;
-    if (!PyArg_ParseTuple(args, "y*y*w*nn", &cost_b, &order_b, &dealt_b, &ranks, &per)) {
-        return NULL;
-    }
+    whole_args_t w;
+    int parsed = whole_args(args, "deal_bins", &w);
+    if (parsed == 0) return NULL;
     PyObject *result = NULL;
     slot_t *heap = NULL;
     int64_t *count = NULL, *held = NULL;
-    if (ranks < 1 || per < 1 || per > PY_SSIZE_T_MAX / ranks) {
-        PyErr_SetString(PyExc_ValueError, "deal_bins: need ranks, per_rank >= 1");
-        goto done;
-    }
-    Py_ssize_t nb = ranks * per;
-    if (whole_check(&cost_b, "bin_cost", sizeof(double), nb) ||
-        whole_check(&order_b, "order", sizeof(int64_t), nb) ||
-        whole_check(&dealt_b, "dealt", sizeof(int64_t), nb)) {
-        goto done;
-    }
-    const double *cost = (const double *)cost_b.buf;
-    const int64_t *order = (const int64_t *)order_b.buf;
-    int64_t *dealt = (int64_t *)dealt_b.buf;
+    if (parsed < 0) goto done;
+    Py_ssize_t ranks = w.ranks, per = w.per, nb = w.nb;
     heap = (slot_t *)malloc(sizeof(slot_t) * (size_t)ranks);
     count = (int64_t *)calloc((size_t)ranks, sizeof(int64_t));
     held = (int64_t *)malloc(sizeof(int64_t) * (size_t)nb);
@@ -102,25 +143,19 @@ PyObject *evenflow_deal_bins(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t size = 0;
     for (Py_ssize_t r = 0; r < ranks; r++) slot_push(heap, &size, (slot_t){0.0, r});
     for (Py_ssize_t k = 0; k < nb; k++) {
-        int64_t b = order[k];
-        if (b < 0 || b >= nb || size == 0) {
-            PyErr_SetString(PyExc_ValueError, "deal_bins: order must list every bin once");
-            goto done;
-        }
+        int64_t b = w.order[k];
         slot_t s = slot_pop(heap, &size);
         held[s.rank * per + count[s.rank]++] = b;
-        if (count[s.rank] < per) slot_push(heap, &size, (slot_t){s.load + cost[b], s.rank});
+        if (count[s.rank] < per) slot_push(heap, &size, (slot_t){s.load + w.cost[b], s.rank});
     }
-    for (Py_ssize_t k = 0; k < nb; k++) dealt[k] = held[k];
+    for (Py_ssize_t k = 0; k < nb; k++) w.dealt[k] = held[k];
     result = Py_None;
     Py_INCREF(result);
 done:
     free(heap);
     free(count);
     free(held);
-    PyBuffer_Release(&cost_b);
-    PyBuffer_Release(&order_b);
-    PyBuffer_Release(&dealt_b);
+    whole_release(&w);
     return result;
 }
 
@@ -164,29 +199,19 @@ static double spread_of(const part_t *parts, Py_ssize_t ranks) {
 
 /* kk_bins(bin_cost, order, dealt, ranks, per): see the file comment. */
 PyObject *evenflow_kk_bins(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer cost_b, order_b, dealt_b;
-    Py_ssize_t ranks, per;
-    if (!PyArg_ParseTuple(args, "y*y*w*nn", &cost_b, &order_b, &dealt_b, &ranks, &per)) {
-        return NULL;
-    }
+    whole_args_t w;
+    int parsed = whole_args(args, "kk_bins", &w);
+    if (parsed == 0) return NULL;
     PyObject *result = NULL;
     part_t *parts = NULL, *merged = NULL;
     int64_t *next = NULL, *serial = NULL;
     double *spread = NULL;
     unsigned char *alive = NULL;
-    if (ranks < 1 || per < 1 || per > PY_SSIZE_T_MAX / ranks) {
-        PyErr_SetString(PyExc_ValueError, "kk_bins: need ranks, per_rank >= 1");
-        goto done;
-    }
-    Py_ssize_t nb = ranks * per;
-    if (whole_check(&cost_b, "bin_cost", sizeof(double), nb) ||
-        whole_check(&order_b, "order", sizeof(int64_t), nb) ||
-        whole_check(&dealt_b, "dealt", sizeof(int64_t), nb)) {
-        goto done;
-    }
-    const double *cost = (const double *)cost_b.buf;
-    const int64_t *order = (const int64_t *)order_b.buf;
-    int64_t *dealt = (int64_t *)dealt_b.buf;
+    if (parsed < 0) goto done;
+    Py_ssize_t ranks = w.ranks, per = w.per, nb = w.nb;
+    const double *cost = w.cost;
+    const int64_t *order = w.order;
+    int64_t *dealt = w.dealt;
     /* Partition p holds parts[p * ranks .. (p + 1) * ranks); a merge writes the merged one
        over the first of the two and retires the second. */
     parts = (part_t *)malloc(sizeof(part_t) * (size_t)nb);
@@ -202,10 +227,6 @@ PyObject *evenflow_kk_bins(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     for (Py_ssize_t k = 0; k < nb; k++) {
         int64_t b = order[k];
-        if (b < 0 || b >= nb) {
-            PyErr_SetString(PyExc_ValueError, "kk_bins: order must list every bin once");
-            goto done;
-        }
         parts[k] = (part_t){cost[b], b, b, b, b};
         next[b] = -1;
     }
@@ -261,8 +282,6 @@ done:
     free(serial);
     free(spread);
     free(alive);
-    PyBuffer_Release(&cost_b);
-    PyBuffer_Release(&order_b);
-    PyBuffer_Release(&dealt_b);
+    whole_release(&w);
     return result;
 }
