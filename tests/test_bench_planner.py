@@ -253,14 +253,16 @@ def test_repeat_plans_every_step_again_and_keeps_its_least_time(
     # functions of the step), and each plan's CPU time is the least of those runs.
     from evenflow.engine._planning import planner as _planner
 
-    times: dict[int, list[float]] = {}
+    # Per planner (kept alive here, so no id is reused), its plans' CPU times.
+    times: dict[int, tuple[object, list[float]]] = {}
     real = _planner.Planner
 
     class Counting(real):  # type: ignore[misc, valid-type]
         def plan(self, samples, reference_bins, step):  # type: ignore[no-untyped-def]
             before = time.process_time()
             plan = super().plan(samples, reference_bins, step)
-            times.setdefault(id(self), []).append((time.process_time() - before) * 1e3)
+            runs = times.setdefault(id(self), (self, []))[1]
+            runs.append((time.process_time() - before) * 1e3)
             return plan
 
     monkeypatch.setattr(_planner, "Planner", Counting)
@@ -271,7 +273,7 @@ def test_repeat_plans_every_step_again_and_keeps_its_least_time(
     doc = json.loads(out)
     assert doc["config"]["repeat"] == 3
     (case,) = doc["cases"]
-    planned = [runs for runs in times.values() if len(runs) == 3 * case["num_steps"]]
+    planned = [runs for _, runs in times.values() if len(runs) == 3 * case["num_steps"]]
     assert len(planned) == 4  # lpt, default and the two peers; the warm-up plans once
     default = max(planned, key=sum)  # the default spends the most
     least = [min(default[k : k + 3]) for k in range(0, len(default), 3)]
