@@ -144,7 +144,10 @@ static inline int64_t emptiest(const int64_t *fills, Py_ssize_t per) {
     return low;
 }
 
-static int check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssize_t count) {
+/* Whether `view` holds `count` items of `itemsize` bytes, else a ValueError naming it (the
+   entry points of _native.c and _whole_bins.c check their arrays with it). */
+int evenflow_check_buffer(Py_buffer *view, const char *name, Py_ssize_t itemsize,
+                          Py_ssize_t count) {
     if (view->len != itemsize * count) {
         PyErr_Format(PyExc_ValueError, "evenflow.engine._planning._native: %s has %zd bytes, expected %zd", name,
                      view->len, itemsize * count);
@@ -277,11 +280,11 @@ static PyObject *lpt(PyObject *Py_UNUSED(self), PyObject *args) {
         goto done;
     }
     Py_ssize_t nb = ranks * per;
-    if (check(&tok_b, "tokens", sizeof(int64_t), n) ||
-        check(&bud_b, "budget_costs", sizeof(double), n * nbud) ||
-        check(&order_b, "order", sizeof(int64_t), n) ||
-        check(&of_b, "out_flat", sizeof(int64_t), n) ||
-        check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
+    if (evenflow_check_buffer(&tok_b, "tokens", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&bud_b, "budget_costs", sizeof(double), n * nbud) ||
+        evenflow_check_buffer(&order_b, "order", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&of_b, "out_flat", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&os_b, "out_sizes", sizeof(int64_t), nb)) {
         goto done;
     }
     const int64_t *order_check = (const int64_t *)order_b.buf;
@@ -456,15 +459,16 @@ static PyObject *refine_search(PyObject *Py_UNUSED(self), PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "refine_search: inconsistent ranks and bins");
         goto done;
     }
-    if (check(&tok_b, "tok", sizeof(int64_t), n) || check(&flat_b, "flat", sizeof(int64_t), n) ||
-        check(&bin_of_b, "bin_of", sizeof(int64_t), n) ||
-        check(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
-        check(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
-        check(&bcost_b, "bin_cost", sizeof(double), nb) ||
-        check(&bud_b, "bud", sizeof(double), n * nbud) ||
-        check(&bbud_b, "bin_bud", sizeof(double), nb * nbud) ||
-        check(&of_b, "out_flat", sizeof(int64_t), n) ||
-        check(&os_b, "out_sizes", sizeof(int64_t), nb)) {
+    if (evenflow_check_buffer(&tok_b, "tok", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&flat_b, "flat", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&bin_of_b, "bin_of", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
+        evenflow_check_buffer(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
+        evenflow_check_buffer(&bcost_b, "bin_cost", sizeof(double), nb) ||
+        evenflow_check_buffer(&bud_b, "bud", sizeof(double), n * nbud) ||
+        evenflow_check_buffer(&bbud_b, "bin_bud", sizeof(double), nb * nbud) ||
+        evenflow_check_buffer(&of_b, "out_flat", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&os_b, "out_sizes", sizeof(int64_t), nb)) {
         goto done;
     }
     size_t words = (size_t)((10 + NEAR_TARGETS) * n + 2 + 2 * (n + 1)) + (size_t)(ranks * per + 7 * ranks);
@@ -643,13 +647,14 @@ static PyObject *search_state(PyObject *Py_UNUSED(self), PyObject *args) {
                         "search_state: bins must split evenly into ranks, fewer than 8 each");
         goto done;
     }
-    if (check(&tok_b, "tok", sizeof(int64_t), n) || check(&flat_b, "flat", sizeof(int64_t), n) ||
-        check(&bud_b, "bud", sizeof(double), n * nbud) ||
-        check(&bin_of_b, "bin_of", sizeof(int64_t), n) ||
-        check(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
-        check(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
-        check(&bcost_b, "bin_cost", sizeof(double), nb) ||
-        check(&bbud_b, "bin_bud", sizeof(double), nb * nbud)) {
+    if (evenflow_check_buffer(&tok_b, "tok", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&flat_b, "flat", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&bud_b, "bud", sizeof(double), n * nbud) ||
+        evenflow_check_buffer(&bin_of_b, "bin_of", sizeof(int64_t), n) ||
+        evenflow_check_buffer(&cnt_b, "bin_cnt", sizeof(int64_t), nb) ||
+        evenflow_check_buffer(&btok_b, "bin_tok", sizeof(int64_t), nb) ||
+        evenflow_check_buffer(&bcost_b, "bin_cost", sizeof(double), nb) ||
+        evenflow_check_buffer(&bbud_b, "bin_bud", sizeof(double), nb * nbud)) {
         goto done;
     }
     const double *cost = (const double *)cost_b.buf, *bud = (const double *)bud_b.buf;

@@ -24,14 +24,8 @@
 
 #include "_vec.h"
 
-static int whole_check(Py_buffer *view, const char *name, Py_ssize_t itemsize, Py_ssize_t count) {
-    if (view->len != itemsize * count) {
-        PyErr_Format(PyExc_ValueError, "evenflow.engine._planning._native: %s has %zd bytes, expected %zd",
-                     name, view->len, itemsize * count);
-        return -1;
-    }
-    return 0;
-}
+int evenflow_check_buffer(Py_buffer *view, const char *name, Py_ssize_t itemsize,
+                          Py_ssize_t count); /* _native.c */
 
 /* The arguments both starts take, parsed and checked: (bin_cost, order, dealt, ranks, per). */
 typedef struct {
@@ -54,9 +48,9 @@ static int whole_args(PyObject *args, const char *name, whole_args_t *w) {
         return -1;
     }
     w->nb = w->ranks * w->per;
-    if (whole_check(&w->cost_b, "bin_cost", sizeof(double), w->nb) ||
-        whole_check(&w->order_b, "order", sizeof(int64_t), w->nb) ||
-        whole_check(&w->dealt_b, "dealt", sizeof(int64_t), w->nb)) {
+    if (evenflow_check_buffer(&w->cost_b, "bin_cost", sizeof(double), w->nb) ||
+        evenflow_check_buffer(&w->order_b, "order", sizeof(int64_t), w->nb) ||
+        evenflow_check_buffer(&w->dealt_b, "dealt", sizeof(int64_t), w->nb)) {
         return -1;
     }
     w->cost = (const double *)w->cost_b.buf;
