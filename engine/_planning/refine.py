@@ -278,13 +278,14 @@ class RefineAlgorithm:
                     # could gain); settled by the rest, it ends the finish. Else it is a
                     # finalist.
                     stay = settler.settled(stay, thorough=thorough[stage.settles[0]])
-                    if score(stay) <= min(scores) * (1.0 + schedule.TIE / 2):
+                    mine = score(stay)
+                    if mine <= min(scores) * (1.0 + schedule.TIE / 2):
                         for how in stage.settles[1:]:
                             stay = settler.settled(stay, thorough=thorough[how])
                         chosen = stay
                         break
                     layouts.insert(0, stay)
-                    scores.insert(0, score(stay))
+                    scores.insert(0, mine)
                     continue
                 for how in stage.settles:
                     stay = settler.settled(stay, thorough=thorough[how])
