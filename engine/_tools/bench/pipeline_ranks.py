@@ -53,9 +53,16 @@ def _source(rank: int, steps: int, seed: int) -> Iterator[Any]:
 class _Reference:
     """Balances without prefetch: every stage of step ``s`` runs inside the fetch of ``s``."""
 
-    def __init__(self, transport: Any, planner: Any, rank: int, steps: int, seed: int) -> None:
-        self.transport, self.planner, self.rank = transport, planner, rank
-        self.source = _source(rank, steps, seed)
+    def __init__(self, transport: Any, rank: int, spec: dict[str, Any]) -> None:
+        self.transport, self.rank = transport, rank
+        self.planner = Planner(
+            num_ranks=transport.num_ranks,
+            bins_per_rank=BINS,
+            seq_len=SEQ_LEN,
+            cost_model="quadratic",
+            algorithm=spec["algorithm"],
+        )
+        self.source = _source(rank, spec["steps"], spec["seed"])
         self.step = 0
 
     async def fetch(self) -> tuple[list[Any], float] | None:
@@ -138,14 +145,7 @@ def _run_sync(config_name: str, transport: Any, spec: dict[str, Any], rank: int)
     steps: list[dict[str, float]] = []
     stats: list[Any] = []
     if config_name == "sync-ref":
-        planner = Planner(
-            num_ranks=transport.num_ranks,
-            bins_per_rank=BINS,
-            seq_len=SEQ_LEN,
-            cost_model="quadratic",
-            algorithm=spec["algorithm"],
-        )
-        ref = _Reference(transport, planner, rank, spec["steps"], spec["seed"])
+        ref = _Reference(transport, rank, spec)
         loop = asyncio.new_event_loop()
         try:
             while True:
@@ -188,14 +188,7 @@ async def _run_async(
     # that keeps its event loop free while the device computes.
     with ThreadPoolExecutor(1, thread_name_prefix="bench-train") as train:
         if config_name == "sync-ref":
-            planner = Planner(
-                num_ranks=transport.num_ranks,
-                bins_per_rank=BINS,
-                seq_len=SEQ_LEN,
-                cost_model="quadratic",
-                algorithm=spec["algorithm"],
-            )
-            ref = _Reference(transport, planner, rank, spec["steps"], spec["seed"])
+            ref = _Reference(transport, rank, spec)
             while True:
                 t0 = time.perf_counter()
                 got = await ref.fetch()
